@@ -1,0 +1,1 @@
+"""Engine bookkeeping without torch: requests, block pool, KV cache manager, scheduler."""
