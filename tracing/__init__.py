@@ -1,1 +1,1 @@
-
+"""OpenTelemetry setup, Kafka header propagation, metric and span names."""

@@ -1,0 +1,61 @@
+"""Bytes ↔ messages: compact JSON, one message type per topic.
+
+Decoding failures raise `DecodeError` (permanent), which the consume loop sends straight
+to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import ValidationError
+
+from bus.errors import DecodeError
+from bus.messages import (
+    Cancel,
+    GenerateRequest,
+    Message,
+    TelemetryRecord,
+    TokenDeltaBatch,
+    UsageRecord,
+)
+from bus.topics import (
+    CONTROL_TOPIC,
+    REQUEST_TOPICS,
+    TELEMETRY_TOPIC,
+    TOKENS_TOPIC,
+    USAGE_TOPIC,
+)
+
+TOPIC_MESSAGES: dict[str, type[Message]] = {
+    **{topic: GenerateRequest for topic in REQUEST_TOPICS},
+    CONTROL_TOPIC: Cancel,
+    TOKENS_TOPIC: TokenDeltaBatch,
+    USAGE_TOPIC: UsageRecord,
+    TELEMETRY_TOPIC: TelemetryRecord,
+}
+
+
+def encode(message: Message) -> bytes:
+    """Compact JSON (no spaces); fields left at their defaults are kept for readers."""
+    return message.model_dump_json().encode()
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode_as(model: type[M], value: bytes) -> M:
+    try:
+        return model.model_validate_json(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "message"
+        raise DecodeError(f"not a valid {model.__name__}: {where}: {first['msg']}") from exc
+
+
+def decode(topic: str, value: bytes) -> Message:
+    """Decode with the message type registered for `topic`."""
+    model = TOPIC_MESSAGES.get(topic)
+    if model is None:
+        raise DecodeError(f"no message type registered for topic {topic}")
+    return decode_as(model, value)

@@ -1,0 +1,280 @@
+"""`KafkaEventBus`: the `EventBus` contract on kafka-python, for distributed mode.
+
+The only module in Sluice that imports kafka; client errors are translated into
+`bus.errors` here. Consumer timings follow DESIGN.md §9: short sessions and heartbeats so
+groups settle in seconds, and a small fetch wait because Tansu does not answer a waiting
+fetch early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import kafka
+import kafka.errors as kerr
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.structs import OffsetAndMetadata
+from kafka.structs import TopicPartition as KafkaTP
+
+from bus.base import (
+    Consumer,
+    Delivered,
+    Headers,
+    OffsetReset,
+    RebalanceCallback,
+    Record,
+    TopicPartition,
+    TopicSpec,
+)
+from bus.errors import BusError, BusUnavailable, CommitFailed, DeliveryFailed, TopicError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaConfig:
+    """Connection and client tuning; built by the composition root from settings."""
+
+    bootstrap: str
+    client_id: str = "sluice"
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 500
+    max_poll_interval_ms: int = 60000
+    fetch_max_wait_ms: int = 5
+    linger_ms: int = 0
+    request_timeout_ms: int = 15000
+    acks: int | str = "all"
+
+    @property
+    def servers(self) -> list[str]:
+        return [s.strip() for s in self.bootstrap.split(",") if s.strip()]
+
+
+def _translate(exc: Exception) -> BusError:
+    if isinstance(exc, BusError):
+        return exc
+    if isinstance(exc, kerr.CommitFailedError):
+        return CommitFailed(str(exc))
+    unavailable = (kerr.NoBrokersAvailable, kerr.KafkaTimeoutError, kerr.KafkaConnectionError)
+    if isinstance(exc, unavailable):
+        return BusUnavailable(str(exc) or type(exc).__name__)
+    retryable = bool(getattr(exc, "retriable", False))
+    return BusUnavailable(str(exc)) if retryable else BusError(f"{type(exc).__name__}: {exc}")
+
+
+class KafkaEventBus:
+    """A thread-safe producer shared by all publishers, and consumers made on demand."""
+
+    def __init__(self, config: KafkaConfig) -> None:
+        self.config = config
+        try:
+            self._producer = kafka.KafkaProducer(
+                bootstrap_servers=config.servers,
+                client_id=config.client_id,
+                acks=config.acks,
+                linger_ms=config.linger_ms,
+                request_timeout_ms=config.request_timeout_ms,
+                retries=5,
+            )
+        except Exception as exc:
+            raise _translate(exc) from exc
+        self._admin: KafkaAdminClient | None = None
+        self._admin_lock = threading.Lock()
+
+    # -- topics ---------------------------------------------------------------------
+    def _admin_client(self) -> KafkaAdminClient:
+        with self._admin_lock:
+            if self._admin is None:
+                self._admin = KafkaAdminClient(
+                    bootstrap_servers=self.config.servers,
+                    client_id=f"{self.config.client_id}-admin",
+                    request_timeout_ms=self.config.request_timeout_ms,
+                )
+            return self._admin
+
+    def create_topics(self, topics: Sequence[TopicSpec]) -> None:
+        """Create missing topics; an existing one must have the partitions asked for."""
+        admin = self._admin_client()
+        try:
+            existing = set(admin.list_topics())
+            new = [
+                NewTopic(name=t.name, num_partitions=t.num_partitions, replication_factor=1)
+                for t in topics
+                if t.name not in existing
+            ]
+            if new:
+                with contextlib.suppress(kerr.TopicAlreadyExistsError):
+                    admin.create_topics(new_topics=new, validate_only=False)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        for spec in topics:
+            found = self.num_partitions(spec.name)
+            if found != spec.num_partitions:
+                raise TopicError(
+                    f"topic {spec.name} has {found} partitions, configured {spec.num_partitions}"
+                )
+
+    def num_partitions(self, topic: str) -> int:
+        try:
+            parts = self._producer.partitions_for(topic)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        if not parts:
+            raise TopicError(f"topic {topic} does not exist")
+        return len(parts)
+
+    # -- producing ------------------------------------------------------------------
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> Future[Delivered]:
+        future: Future[Delivered] = Future()
+        try:
+            sent = self._producer.send(
+                topic, value=value, key=key, headers=headers or [], partition=partition
+            )
+        except Exception as exc:
+            future.set_exception(_translate(exc))
+            return future
+
+        def ok(meta: Any) -> None:
+            future.set_result(Delivered(meta.topic, meta.partition, meta.offset))
+
+        def failed(exc: Exception) -> None:
+            future.set_exception(DeliveryFailed(f"{topic}: {exc}"))
+
+        sent.add_callback(ok)
+        sent.add_errback(failed)
+        return future
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    # -- consuming ------------------------------------------------------------------
+    def consumer(
+        self,
+        group_id: str,
+        topics: Sequence[str],
+        *,
+        offset_reset: OffsetReset = "earliest",
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> KafkaConsumer:
+        return KafkaConsumer(self.config, group_id, topics, offset_reset, on_assign, on_revoke)
+
+    def close(self) -> None:
+        try:
+            self._producer.flush(timeout=5)
+            self._producer.close(timeout=5)
+        finally:
+            if self._admin is not None:
+                self._admin.close()
+
+
+class _Listener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, on_assign: RebalanceCallback | None, on_revoke: RebalanceCallback | None):
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        if self._on_revoke is not None:
+            self._on_revoke({TopicPartition(tp.topic, tp.partition) for tp in revoked})
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        if self._on_assign is not None:
+            self._on_assign({TopicPartition(tp.topic, tp.partition) for tp in assigned})
+
+
+class KafkaConsumer(Consumer):
+    """A kafka-python group member with manual commits."""
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        group_id: str,
+        topics: Sequence[str],
+        offset_reset: OffsetReset,
+        on_assign: RebalanceCallback | None,
+        on_revoke: RebalanceCallback | None,
+    ) -> None:
+        try:
+            self._consumer = kafka.KafkaConsumer(
+                bootstrap_servers=config.servers,
+                client_id=config.client_id,
+                group_id=group_id,
+                enable_auto_commit=False,
+                auto_offset_reset=offset_reset,
+                session_timeout_ms=config.session_timeout_ms,
+                heartbeat_interval_ms=config.heartbeat_interval_ms,
+                max_poll_interval_ms=config.max_poll_interval_ms,
+                fetch_max_wait_ms=config.fetch_max_wait_ms,
+                request_timeout_ms=max(config.request_timeout_ms, config.session_timeout_ms + 5000),
+            )
+            self._consumer.subscribe(list(topics), listener=_Listener(on_assign, on_revoke))
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]:
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        out: list[Record] = []
+        for tp in sorted(batches, key=lambda t: (t.topic, t.partition)):
+            for m in batches[tp]:
+                out.append(
+                    Record(
+                        topic=m.topic,
+                        partition=m.partition,
+                        offset=m.offset,
+                        key=m.key,
+                        value=m.value,
+                        headers=[(k, v) for k, v in (m.headers or [])],
+                        timestamp_ms=m.timestamp,
+                    )
+                )
+        return out
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        if not offsets:
+            return
+        payload = {
+            KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(off, "", -1)
+            for tp, off in offsets.items()
+        }
+        try:
+            self._consumer.commit(offsets=payload)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def pause(self, partitions: Sequence[TopicPartition]) -> None:
+        self._consumer.pause(*[KafkaTP(tp.topic, tp.partition) for tp in partitions])
+
+    def resume(self, partitions: Sequence[TopicPartition]) -> None:
+        self._consumer.resume(*[KafkaTP(tp.topic, tp.partition) for tp in partitions])
+
+    def paused(self) -> set[TopicPartition]:
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.paused()}
+
+    def close(self) -> None:
+        try:
+            self._consumer.close(autocommit=False)
+        except Exception:  # closing is best effort; the group times the member out
+            logger.warning("kafka consumer close failed", exc_info=True)

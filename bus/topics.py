@@ -1,0 +1,61 @@
+"""Topic names and layout: which topics exist, their versions and partition counts.
+
+DESIGN.md §1/§4: requests split by priority lane and keyed by tenant, a control topic for
+cancels, tokens back to the gateways, usage and telemetry for the side consumers, and a
+dead-letter topic beside each input topic.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from bus.base import TopicSpec
+
+
+class Lane(enum.StrEnum):
+    """Priority lanes; `service_tier` priority/default/flex selects one."""
+
+    INTERACTIVE = "interactive"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+
+def request_topic(lane: Lane) -> str:
+    return f"sluice.requests.{lane.value}.v1"
+
+
+REQUEST_TOPICS: tuple[str, ...] = tuple(request_topic(lane) for lane in Lane)
+CONTROL_TOPIC = "sluice.control.v1"
+TOKENS_TOPIC = "sluice.tokens.v1"
+USAGE_TOPIC = "sluice.usage.v1"
+TELEMETRY_TOPIC = "sluice.telemetry.v1"
+
+
+def dead_letter_topic(topic: str) -> str:
+    """`sluice.usage.v1` → `sluice.usage.v1.dlq`."""
+    return f"{topic}.dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicLayout:
+    """Partition counts per topic family; the composition root builds it from settings."""
+
+    request_partitions: int = 6
+    tokens_partitions: int = 6
+    usage_partitions: int = 3
+    telemetry_partitions: int = 1
+    control_partitions: int = 1
+    dead_letter_partitions: int = 1
+
+    def specs(self) -> list[TopicSpec]:
+        specs = [TopicSpec(t, self.request_partitions) for t in REQUEST_TOPICS]
+        specs += [
+            TopicSpec(CONTROL_TOPIC, self.control_partitions),
+            TopicSpec(TOKENS_TOPIC, self.tokens_partitions),
+            TopicSpec(USAGE_TOPIC, self.usage_partitions),
+            TopicSpec(TELEMETRY_TOPIC, self.telemetry_partitions),
+        ]
+        inputs = [*REQUEST_TOPICS, CONTROL_TOPIC, TOKENS_TOPIC, USAGE_TOPIC, TELEMETRY_TOPIC]
+        specs += [TopicSpec(dead_letter_topic(t), self.dead_letter_partitions) for t in inputs]
+        return specs

@@ -1,0 +1,60 @@
+"""Shared fixtures: event buses (memory and real Kafka), unique topic names."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from bus.base import EventBus
+from bus.kafka import KafkaConfig, KafkaEventBus
+from bus.memory import MemoryEventBus
+from bus.tansu import TansuBroker
+from tests.services import port_open, service_missing
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """$SLUICE_KAFKA_BOOTSTRAP when set (CI starts Tansu), else a Tansu started here."""
+    configured = os.environ.get("SLUICE_KAFKA_BOOTSTRAP")
+    if configured:
+        host, _, port = configured.split(",")[0].rpartition(":")
+        if not port_open(host or "127.0.0.1", int(port)):
+            service_missing(f"Kafka at SLUICE_KAFKA_BOOTSTRAP={configured} does not answer")
+        yield configured
+        return
+    try:
+        broker = TansuBroker().start()
+    except Exception as exc:
+        service_missing(f"could not start Tansu: {exc}")
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
+def bus(request: pytest.FixtureRequest) -> Iterator[EventBus]:
+    """The same tests, the same assertions, both transports."""
+    if request.param == "memory":
+        memory = MemoryEventBus()
+        yield memory
+        memory.close()
+        return
+    bootstrap = request.getfixturevalue("kafka_bootstrap")
+    kafka_bus = KafkaEventBus(KafkaConfig(bootstrap=bootstrap, client_id="sluice-test"))
+    yield kafka_bus
+    kafka_bus.close()
+
+
+@pytest.fixture
+def topic() -> str:
+    """A topic name no other test uses (Kafka keeps topics for the broker's lifetime)."""
+    return f"test.{uuid.uuid4().hex[:12]}.v1"
+
+
+@pytest.fixture
+def group() -> str:
+    return f"group-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,64 @@
+"""Helpers that poll consumers in their own threads, as separate processes would."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bus.base import Consumer, Record, TopicPartition
+
+
+@dataclass
+class Member:
+    """A consumer polled by a background thread; records what it saw and was given."""
+
+    consumer: Consumer
+    commit: bool = True
+    records: list[Record] = field(default_factory=list)
+    assigned: set[TopicPartition] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    def start(self) -> Member:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                batch = self.consumer.poll(0.1)
+                self.assigned = self.consumer.assignment()
+                if batch:
+                    self.records.extend(batch)
+                    if self.commit:
+                        offsets: dict[TopicPartition, int] = {}
+                        for r in batch:
+                            offsets[r.tp] = r.offset + 1
+                        try:
+                            self.consumer.commit(offsets)
+                        except Exception:  # a rebalance: these come again to someone
+                            pass
+        except BaseException as exc:  # surfaced by halt()
+            self.error = exc
+
+    def halt(self, close: bool = True) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        if close:
+            self.consumer.close()
+        if self.error is not None:
+            raise self.error
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

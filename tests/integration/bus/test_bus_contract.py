@@ -1,0 +1,163 @@
+"""The EventBus contract, run unchanged against the memory bus and a real Kafka broker."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from bus.base import EventBus, TopicPartition, TopicSpec
+from bus.topics import TopicLayout
+from tests.integration.bus.drain import Member, wait_until
+from tracing.propagation import extract_context, inject_headers
+
+SETTLE_S = 60.0  # Kafka group joins take seconds (DESIGN.md §9); memory is instant
+
+
+def test_topics_are_created_with_configured_partitions(bus: EventBus, topic: str) -> None:
+    bus.create_topics([TopicSpec(topic, 3), TopicSpec(topic + ".other", 1)])
+    assert bus.num_partitions(topic) == 3
+    assert bus.num_partitions(topic + ".other") == 1
+    bus.create_topics([TopicSpec(topic, 3)])  # idempotent
+    assert bus.num_partitions(topic) == 3
+
+
+def test_layout_lists_every_topic_with_a_dead_letter_twin() -> None:
+    specs = {s.name: s.num_partitions for s in TopicLayout(request_partitions=4).specs()}
+    assert specs["sluice.requests.interactive.v1"] == 4
+    assert specs["sluice.requests.batch.v1.dlq"] == 1
+    assert {"sluice.tokens.v1", "sluice.usage.v1", "sluice.control.v1"} <= set(specs)
+
+
+def test_publish_confirms_delivery_at_the_offset_consumers_see(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 2)])
+    delivered = [bus.publish(topic, f"m{i}".encode(), key=b"k").result(30) for i in range(3)]
+    assert len({d.partition for d in delivered}) == 1
+    assert [d.offset for d in delivered] == [0, 1, 2]
+    member = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: len(member.records) == 3, SETTLE_S, "3 records")
+    member.halt()
+    assert [(r.partition, r.offset, r.value) for r in member.records] == [
+        (delivered[i].partition, i, f"m{i}".encode()) for i in range(3)
+    ]
+
+
+def test_messages_with_one_key_keep_their_order(bus: EventBus, topic: str, group: str) -> None:
+    bus.create_topics([TopicSpec(topic, 4)])
+    keys = [f"tenant-{i}".encode() for i in range(5)]
+    for n in range(60):
+        bus.publish(topic, str(n).encode(), key=keys[n % 5])
+    bus.flush()
+    member = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: len(member.records) == 60, SETTLE_S, "60 records")
+    member.halt()
+    by_key: dict[bytes, list[int]] = defaultdict(list)
+    partitions: dict[bytes, set[int]] = defaultdict(set)
+    for r in member.records:
+        assert r.key is not None
+        by_key[r.key].append(int(r.value))
+        partitions[r.key].add(r.partition)
+    for i, key in enumerate(keys):
+        assert by_key[key] == list(range(i, 60, 5))
+        assert len(partitions[key]) == 1
+
+
+def _settled(members: list[Member], partitions: set[TopicPartition]) -> bool:
+    assigned = [m.assigned for m in members]
+    return (
+        all(assigned)
+        and set().union(*assigned) == partitions
+        and sum(len(a) for a in assigned) == len(partitions)
+    )
+
+
+def test_group_members_share_partitions_and_each_message_reaches_one(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 4)])
+    partitions = {TopicPartition(topic, p) for p in range(4)}
+    a = Member(bus.consumer(group, [topic])).start()
+    b = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: _settled([a, b], partitions), SETTLE_S, "two members to split 4 partitions")
+    for p in range(4):
+        for n in range(10):
+            bus.publish(topic, f"{p}-{n}".encode(), partition=p)
+    bus.flush()
+    wait_until(lambda: len(a.records) + len(b.records) >= 40, SETTLE_S, "40 records")
+    a.halt()
+    b.halt()
+    seen_a = {r.value for r in a.records}
+    seen_b = {r.value for r in b.records}
+    assert len(a.records) + len(b.records) == 40
+    assert seen_a.isdisjoint(seen_b)
+    assert len(seen_a) == 20 and len(seen_b) == 20
+
+
+def test_uncommitted_messages_of_a_leaving_member_go_to_the_other(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 2)])
+    partitions = {TopicPartition(topic, p) for p in range(2)}
+    quitter = Member(bus.consumer(group, [topic]), commit=False).start()
+    stayer = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: _settled([quitter, stayer], partitions), SETTLE_S, "two members")
+    for p in range(2):
+        for n in range(10):
+            bus.publish(topic, f"{p}-{n}".encode(), partition=p)
+    bus.flush()
+    wait_until(lambda: len(quitter.records) == 10, SETTLE_S, "the quitter's 10 records")
+    quitter.halt()  # closes without having committed anything
+    everything = {f"{p}-{n}".encode() for p in range(2) for n in range(10)}
+    wait_until(
+        lambda: {r.value for r in stayer.records} == everything,
+        SETTLE_S,
+        "the quitter's records to be redelivered to the stayer",
+    )
+    stayer.halt()
+    assert {r.value for r in quitter.records} <= {r.value for r in stayer.records}
+
+
+def test_paused_partitions_deliver_nothing_until_resumed(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 2)])
+    consumer = bus.consumer(group, [topic])
+    wait_until(lambda: len(consumer.assignment()) == 2 or bool(consumer.poll(0.1)), SETTLE_S, "join")
+    held = TopicPartition(topic, 0)
+    consumer.pause([held])
+    assert consumer.paused() == {held}
+    for p in range(2):
+        for n in range(5):
+            bus.publish(topic, f"{p}-{n}".encode(), partition=p)
+    bus.flush()
+    got = []
+    wait_until(lambda: len(got) >= 5 or bool(got.extend(consumer.poll(0.1))), 30, "5 records")
+    for _ in range(5):
+        got.extend(consumer.poll(0.1))
+    assert {r.partition for r in got} == {1}
+    assert len(got) == 5
+    consumer.resume([held])
+    assert consumer.paused() == set()
+    wait_until(lambda: len(got) >= 10 or bool(got.extend(consumer.poll(0.1))), 30, "10 records")
+    assert sorted(r.value for r in got if r.partition == 0) == [f"0-{n}".encode() for n in range(5)]
+    consumer.close()
+
+
+def test_headers_and_trace_context_round_trip(bus: EventBus, topic: str, group: str) -> None:
+    bus.create_topics([TopicSpec(topic, 1)])
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("publish") as span:
+        headers = inject_headers([("sluice-tenant", b"t-1"), ("bin", bytes([0, 255, 7]))])
+        sent_trace_id = span.get_span_context().trace_id
+    bus.publish(topic, b"v", key=b"k", headers=headers).result(30)
+    member = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: len(member.records) == 1, SETTLE_S, "1 record")
+    member.halt()
+    record = member.records[0]
+    assert record.headers == headers
+    assert record.header("sluice-tenant") == b"t-1"
+    received = trace.get_current_span(extract_context(record.headers)).get_span_context()
+    assert received.trace_id == sent_trace_id
