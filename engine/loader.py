@@ -1,0 +1,195 @@
+"""Model loading: a Hugging Face directory (or the `tiny-llama` preset) -> model + tokenizer.
+
+The first thing the torch backend does. A directory needs config.json, *.safetensors
+(one file, or shards listed in model.safetensors.index.json) and tokenizer.json; a chat
+template (chat_template.jinja or tokenizer_config.json) and generation_config.json are read
+when present. `tiny-llama` is created on first use in `<data_dir>/models/` by
+`engine.preset` and then loaded through the same path as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaConfig, LlamaForCausalLM, UnsupportedModelError, rope_inv_freq
+from engine.runner.model_runner import torch_dtype
+from engine.tokenizer import Tokenizer, TokenizerError
+
+PRESETS = ("tiny-llama",)
+
+
+class ModelLoadError(Exception):
+    """The model directory is missing files or holds something unusable (permanent)."""
+
+
+@dataclass(slots=True)
+class GenerationDefaults:
+    """What generation_config.json (or config.json) says about generation."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    generation: GenerationDefaults
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.generation.eos_token_ids
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("SLUICE_DATA_DIR", Path.home() / ".sluice"))
+
+
+def resolve_model_dir(
+    model: str | Path,
+    data_dir: str | Path | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """A preset name -> its (created on first use) directory; anything else -> that path."""
+    if str(model) in PRESETS:
+        from engine.preset import ensure_tiny_llama
+
+        return ensure_tiny_llama(Path(data_dir or default_data_dir()), config_overrides)
+    if config_overrides:
+        raise ModelLoadError("config overrides apply only to a preset such as 'tiny-llama'")
+    return Path(model)
+
+
+def load_model(
+    model: str | Path,
+    *,
+    data_dir: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    quantization: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> LoadedModel:
+    """Load `model` (a directory, or "tiny-llama") for inference.
+
+    quantization: None, or "int8" for weight-only int8 with per-output-channel scales.
+    Raises ModelLoadError naming every missing file, or the unsupported feature.
+    """
+    path = resolve_model_dir(model, data_dir, config_overrides)
+    shards = check_model_dir(path)
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+    except (UnsupportedModelError, KeyError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
+    generation = _generation_defaults(path, raw)
+    try:
+        tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=generation.eos_token_ids)
+    except (TokenizerError, OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: tokenizer: {e}") from e
+    if not generation.eos_token_ids:
+        generation.eos_token_ids = tokenizer.eos_token_ids
+    dt, dev = torch_dtype(dtype), torch.device(device)
+    net = build_model(cfg, dt, dev)
+    tensors = _read_tensors(shards)
+    try:
+        missing = net.load_hf_weights(tensors)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"{path}: safetensors lack {len(missing)} tensors: {shown}")
+    del tensors
+    if quantization == "int8":
+        from engine.quantization import quantize_int8
+
+        quantize_int8(net)
+    elif quantization is not None:
+        raise ModelLoadError(f"quantization must be None or 'int8', got {quantization!r}")
+    return LoadedModel(net.eval(), cfg, tokenizer, generation, path, dt, dev)
+
+
+def check_model_dir(path: Path) -> list[Path]:
+    """Return the safetensors files; raise one ModelLoadError naming everything missing."""
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    index = path / "model.safetensors.index.json"
+    shards: list[Path] = []
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing += [n for n in names if not (path / n).is_file()]
+        shards = [path / n for n in names]
+        if not names:
+            missing.append("weight_map entries in model.safetensors.index.json")
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            missing.append("*.safetensors (or model.safetensors.index.json)")
+    if missing:
+        raise ModelLoadError(f"model directory {path} is missing: {', '.join(missing)}")
+    return shards
+
+
+def build_model(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An uninitialised model on `device` (weights come from the checkpoint)."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    net.inv_freq = rope_inv_freq(cfg).to(device)
+    return net
+
+
+def _read_tensors(shards: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = f.get_tensor(name)
+        except Exception as e:  # a truncated or foreign file
+            raise ModelLoadError(f"cannot read {shard}: {e}") from e
+    return tensors
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _generation_defaults(path: Path, config: dict[str, Any]) -> GenerationDefaults:
+    gen: dict[str, Any] = {}
+    if (path / "generation_config.json").is_file():
+        gen = json.loads((path / "generation_config.json").read_text())
+    eos = _ids(gen.get("eos_token_id")) or _ids(config.get("eos_token_id"))
+    bos = gen.get("bos_token_id", config.get("bos_token_id"))
+    return GenerationDefaults(
+        eos_token_ids=eos,
+        bos_token_id=bos if isinstance(bos, int) else None,
+        temperature=gen.get("temperature") if gen.get("do_sample") else None,
+        top_p=gen.get("top_p") if gen.get("do_sample") else None,
+        top_k=gen.get("top_k") if gen.get("do_sample") else None,
+        max_new_tokens=gen.get("max_new_tokens"),
+    )

@@ -1,0 +1,277 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache: the model the runner calls.
+
+Sits under `engine.runner`: the runner builds flat inputs and attention metadata once per step
+and calls `LlamaForCausalLM.forward`; the loader maps Hugging Face safetensors names onto it.
+Supports RMSNorm, RoPE (default, linear and llama3 scaling), GQA, SwiGLU, qkv bias (Qwen2),
+a sliding window (Mistral; mask-only) and tied embeddings.
+
+Layout choices for speed on CPU: q/k/v and gate/up are fused into one matmul each, and the
+rows of the q and k projections are permuted per head from Hugging Face's half-split RoPE
+layout to an interleaved one, so RoPE is one complex multiply. Attention scores are
+unchanged by the permutation (the same one applies to q and k).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.runner.attention import AttentionMetadata, paged_attention
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses a feature this module does not implement (permanent)."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaConfig:
+    """The parts of a Hugging Face config.json the Llama-family module needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    layer_sliding_windows: tuple[int | None, ...] = ()
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; "
+                f"expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} unsupported; need silu")
+        if d.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported")
+        n_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        n_layers = int(d["num_hidden_layers"])
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = rope if rope_type not in (None, "default") else None
+        window = d.get("sliding_window")
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+            if not d.get("use_sliding_window"):
+                window = None
+        else:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        if model_type == "llama":
+            window = None
+        layer_types = d.get("layer_types") or ["sliding_attention" if window else "full"] * n_layers
+        windows = tuple(
+            int(window) if window and t == "sliding_attention" else None for t in layer_types
+        )
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or hidden // n_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            layer_sliding_windows=windows,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies as Hugging Face computes them, with linear/llama3 scaling."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+def interleave_rope_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder a q/k projection's output rows per head from half-split to interleaved pairs."""
+    rest = w.shape[1:]
+    w = w.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
+    return w.reshape(num_heads * head_dim, *rest)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.eps = cfg.rms_norm_eps
+        windows = cfg.layer_sliding_windows
+        self.sliding_window = windows[layer_idx] if layer_idx < len(windows) else None
+        self.input_layernorm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.inter = cfg.intermediate_size
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        # hot path: linears are called through .forward to skip nn.Module hook dispatch
+        t = h.shape[0]
+        x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
+        qkv = self.qkv_proj.forward(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim // 2, 2)
+        qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rope).to(h.dtype)
+        q = qk[:, : self.num_heads].view(t, self.num_heads, self.head_dim)
+        k = qk[:, self.num_heads :].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.sliding_window)
+        h = h + self.o_proj.forward(attn.reshape(t, self.q_size))
+        x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
+        gu = self.gate_up_proj.forward(x)
+        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        return h + self.down_proj.forward(act)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-token Llama-family model: forward(input_ids[T], positions[T]) -> hidden[T, H]."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """Complex rotations for `positions`, shaped [T, 1, head_dim/2] (once per step)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        h = self.embed_tokens.forward(input_ids)
+        rope = self.rope_table(positions)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = layer.forward(h, rope, meta, k_cache, v_cache)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return self.lm_head.forward(x).float()
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Copy Hugging Face named tensors in; return the names that are missing."""
+        return load_hf_state(self, tensors)
+
+
+def load_hf_state(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Map `model.layers.N.self_attn.q_proj.weight`-style names onto the fused layout."""
+    cfg = model.config
+    missing: list[str] = []
+
+    def take(name: str) -> torch.Tensor | None:
+        for key in (name, name.removeprefix("model.")):
+            if key in tensors:
+                return tensors[key]
+        missing.append(name)
+        return None
+
+    def put(dst: torch.Tensor, *parts: torch.Tensor | None) -> None:
+        if any(p is None for p in parts):
+            return
+        src = torch.cat([p for p in parts if p is not None], dim=0) if len(parts) > 1 else parts[0]
+        assert src is not None
+        if tuple(src.shape) != tuple(dst.shape):
+            raise UnsupportedModelError(f"shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+        dst.data.copy_(src)
+
+    with torch.no_grad():
+        put(model.embed_tokens.weight, take("model.embed_tokens.weight"))
+        put(model.norm, take("model.norm.weight"))
+        if not cfg.tie_word_embeddings:
+            put(model.lm_head.weight, take("lm_head.weight"))
+        hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for i, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))
+            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            if q is not None and k is not None:
+                q, k = interleave_rope_rows(q, hq, d), interleave_rope_rows(k, hk, d)
+            put(layer.qkv_proj.weight, q, k, v)
+            if cfg.qkv_bias:
+                qb, kb, vb = (take(p + f"self_attn.{n}_proj.bias") for n in "qkv")
+                if qb is not None and kb is not None:
+                    qb, kb = interleave_rope_rows(qb, hq, d), interleave_rope_rows(kb, hk, d)
+                put(layer.qkv_proj.bias, qb, kb, vb)
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            if cfg.o_bias:
+                put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"))
+            put(
+                layer.gate_up_proj.weight,
+                take(p + "mlp.gate_proj.weight"),
+                take(p + "mlp.up_proj.weight"),
+            )
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"))
+    return missing

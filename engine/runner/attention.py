@@ -1,0 +1,122 @@
+"""Paged attention in plain PyTorch: KV slot writes plus one batched SDPA per request group.
+
+Called by every decoder layer in `engine.models.llama`; its metadata is built once per step by
+`engine.runner.inputs`. Layout (research/engine.md §4): each layer's K and V cache is a
+`[num_blocks, block_size, num_kv_heads, head_dim]` tensor; new K/V go in by `index_copy_`
+through the flat slot view, then each group gathers its padded block table in one
+`index_select` and runs one SDPA call.
+
+Rows come in two groups: decode rows (one query token per request, first in the flat batch)
+and prefill rows (chunks, padded to the longest chunk). GQA is done by folding the query
+heads that share a KV head into extra query rows (`[B, Hkv, G*Q, D]`) rather than
+`enable_gqa=True`, which is several times slower in bf16 on CPU. Masks are additive,
+lower-right causal (never `is_causal=True`, which is top-left aligned: §4.5), and apply the
+sliding window when the layer has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """One SDPA call's worth of requests: P requests, queries padded to q_len, keys to kv_len."""
+
+    row_start: int  # first flat token row of the group
+    num_rows: int  # real (unpadded) token rows
+    num_requests: int
+    q_len: int  # padded query length per request
+    kv_len: int  # padded key length per request (a multiple of block_size)
+    block_index: torch.Tensor  # [P * kv_len / block_size] physical blocks, 0 = null block
+    pad_index: torch.Tensor | None  # [num_rows] rows in the padded [P*q_len] layout; None = none
+    query_pos: torch.Tensor  # [P, q_len] absolute position of each (padded) query
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
+    groups: list[AttentionGroup]
+    num_kv_groups: int  # query heads per KV head
+    dtype: torch.dtype
+
+    def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
+        """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""
+        m = group.masks.get(window)
+        if m is None:
+            m = build_mask(group.query_pos, group.kv_len, window, self.num_kv_groups, self.dtype)
+            group.masks[window] = m
+        return m
+
+
+def build_mask(
+    query_pos: torch.Tensor, kv_len: int, window: int | None, g: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Lower-right causal (+ window) additive mask; padded queries (pos < 0) see key 0 only."""
+    p, q = query_pos.shape
+    key = torch.arange(kv_len, device=query_pos.device)
+    pos = query_pos[:, :, None]
+    valid = key[None, None, :] <= pos
+    if window is not None:
+        valid &= key[None, None, :] > pos - window
+    valid |= (pos < 0) & (key[None, None, :] == 0)
+    mask = torch.zeros(valid.shape, dtype=dtype, device=query_pos.device)
+    mask.masked_fill_(~valid, float("-inf"))
+    if g > 1:
+        mask = mask[:, None].expand(p, g, q, kv_len).reshape(p, g * q, kv_len)
+    return mask[:, None]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    if len(meta.groups) == 1 and meta.groups[0].num_rows == q.shape[0]:
+        return _group_attention(q, k_cache, v_cache, meta, meta.groups[0], window)
+    out = torch.empty_like(q)
+    for grp in meta.groups:
+        rows = slice(grp.row_start, grp.row_start + grp.num_rows)
+        out[rows] = _group_attention(q[rows], k_cache, v_cache, meta, grp, window)
+    return out
+
+
+def _group_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    grp: AttentionGroup,
+    window: int | None,
+) -> torch.Tensor:
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
+    g = hq // hkv
+    p, ql, kl = grp.num_requests, grp.q_len, grp.kv_len
+    if grp.pad_index is not None:
+        qp = q.new_zeros(p * ql, hq, d)
+        qp.index_copy_(0, grp.pad_index, q)
+        q = qp
+    k = k_cache.index_select(0, grp.block_index).view(p, kl, hkv, d).transpose(1, 2)
+    v = v_cache.index_select(0, grp.block_index).view(p, kl, hkv, d).transpose(1, 2)
+    # fold the G query heads of each KV head into query rows: [P, Hkv, G*Q, D]
+    qg = q.view(p, ql, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p, hkv, g * ql, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask(grp, window))
+    out = out.view(p, hkv, g, ql, d).permute(0, 3, 1, 2, 4).reshape(p * ql, hq, d)
+    if grp.pad_index is not None:
+        out = out.index_select(0, grp.pad_index)
+    return out

@@ -1,0 +1,133 @@
+"""Flat batched model inputs for one step, built from a `SchedulerOutput` (runner side).
+
+Turns the scheduler's plan into flat tensors: token ids, positions, KV slots, and the
+attention groups of `engine.runner.attention`. Rows are reordered so decode requests (one
+new token) come first and prefill chunks after; `logits_indices` points at the last row of
+each request that samples, in the scheduler's order, so sampled outputs keep its order.
+Built with numpy and Python lists: no per-request torch ops (each costs ~10 µs on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.outputs import ScheduledRequest, SchedulerOutput
+from engine.runner.attention import AttentionGroup, AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] rows whose hidden state is sampled
+    sampling: list[ScheduledRequest]  # the N requests that sample, scheduler order
+
+
+def prepare_inputs(
+    sched: SchedulerOutput,
+    block_size: int,
+    num_kv_groups: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> StepInputs:
+    decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in sched.scheduled if s.num_new_tokens != 1]
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    last_row: dict[str, int] = {}
+    groups: list[AttentionGroup] = []
+
+    # decode rows: inlined list building, this runs for every request every step
+    if decodes:
+        nblk = [(s.num_computed_tokens_before + block_size) // block_size for s in decodes]
+        width = max(nblk)
+        table = np.zeros((len(decodes), width), dtype=np.int64)
+        qpos = np.empty((len(decodes), 1), dtype=np.int64)
+        for i, s in enumerate(decodes):
+            p = s.num_computed_tokens_before
+            ids.append(s.request.token_ids_slice(p, p + 1)[0])
+            pos.append(p)
+            slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+            table[i, : nblk[i]] = s.block_ids[: nblk[i]]
+            qpos[i, 0] = p
+            last_row[s.request_id] = i
+        groups.append(
+            AttentionGroup(
+                row_start=0,
+                num_rows=len(decodes),
+                num_requests=len(decodes),
+                q_len=1,
+                kv_len=width * block_size,
+                block_index=torch.from_numpy(table.reshape(-1)).to(device),
+                pad_index=None,
+                query_pos=torch.from_numpy(qpos).to(device),
+            )
+        )
+    if prefills:
+        groups.append(
+            _prefill_group(prefills, block_size, len(ids), ids, pos, slots, last_row, device)
+        )
+
+    logits_rows = [last_row[s.request_id] for s in sched.scheduled if s.sample]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        groups=groups,
+        num_kv_groups=num_kv_groups,
+        dtype=dtype,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        meta=meta,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        sampling=[s for s in sched.scheduled if s.sample],
+    )
+
+
+def _prefill_group(
+    prefills: list[ScheduledRequest],
+    block_size: int,
+    row_start: int,
+    ids: list[int],
+    pos: list[int],
+    slots: list[int],
+    last_row: dict[str, int],
+    device: torch.device,
+) -> AttentionGroup:
+    """Append prefill chunks' rows and describe them as one padded attention group."""
+    q_len = max(s.num_new_tokens for s in prefills)
+    ends = [s.num_computed_tokens_before + s.num_new_tokens for s in prefills]
+    width = max((e + block_size - 1) // block_size for e in ends)
+    table = np.zeros((len(prefills), width), dtype=np.int64)
+    qpos = np.full((len(prefills), q_len), -1, dtype=np.int64)
+    pad_rows: list[np.ndarray] = []
+    row = row_start
+    for i, s in enumerate(prefills):
+        start, n = s.num_computed_tokens_before, s.num_new_tokens
+        p = np.arange(start, start + n, dtype=np.int64)
+        blocks = np.asarray(s.block_ids[: (start + n + block_size - 1) // block_size], np.int64)
+        table[i, : len(blocks)] = blocks
+        ids.extend(s.request.token_ids_slice(start, start + n))
+        pos.extend(p.tolist())
+        slots.extend((blocks[p // block_size] * block_size + p % block_size).tolist())
+        qpos[i, :n] = p
+        pad_rows.append(np.arange(i * q_len, i * q_len + n, dtype=np.int64))
+        row += n
+        last_row[s.request_id] = row - 1
+    num_rows = row - row_start
+    padded = len(prefills) * q_len != num_rows
+    return AttentionGroup(
+        row_start=row_start,
+        num_rows=num_rows,
+        num_requests=len(prefills),
+        q_len=q_len,
+        kv_len=width * block_size,
+        block_index=torch.from_numpy(table.reshape(-1)).to(device),
+        pad_index=torch.from_numpy(np.concatenate(pad_rows)).to(device) if padded else None,
+        query_pos=torch.from_numpy(qpos).to(device),
+    )

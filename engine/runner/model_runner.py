@@ -1,0 +1,101 @@
+"""Model runner: owns the paged KV cache and turns one `SchedulerOutput` into sampled tokens.
+
+The torch side of the engine step (`engine.engine_core` calls `execute` once per step):
+flat inputs (`engine.runner.inputs`) -> model forward over the paged cache -> logits for the
+rows that sample -> `engine.sampler`. Keeps one seeded `torch.Generator` per request whose
+sampling params carry a seed, and drops it when the scheduler reports the request finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from engine.models.llama import LlamaForCausalLM
+from engine.runner.inputs import prepare_inputs
+from engine.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+class ModelRunner:
+    """Runs `model` (already on `config.device` in `config.dtype`) over a paged KV cache.
+
+    KV cache: per layer one K and one V tensor `[num_kv_blocks, block_size, kv_heads,
+    head_dim]`, block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        mc = model.config
+        self.block_size = config.block_size
+        self.num_kv_groups = mc.num_attention_heads // mc.num_key_value_heads
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads
+        self.bytes_per_block = per_block * mc.head_dim * itemsize
+        self.num_kv_blocks = config.resolve_num_kv_blocks(self.bytes_per_block)
+        shape = (self.num_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed=config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.bytes_per_block
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for rid in scheduler_output.finished_request_ids:
+            self._generators.pop(rid, None)
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        with torch.inference_mode():
+            inputs = prepare_inputs(
+                scheduler_output, self.block_size, self.num_kv_groups, self.dtype, self.device
+            )
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
+            )
+            if not inputs.sampling:
+                return RunnerOutput()
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            params = [s.request.sampling_params for s in inputs.sampling]
+            gens = [
+                self._generator(s.request_id, s.request.sampling_params.seed)
+                for s in inputs.sampling
+            ]
+            out = self.sampler.sample(logits.cpu(), params, gens)
+        return RunnerOutput(
+            sampled=[
+                SampledToken(s.request_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                for i, s in enumerate(inputs.sampling)
+            ]
+        )
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = self._generators.get(request_id)
+        if g is None:
+            g = torch.Generator()
+            g.manual_seed(seed)
+            self._generators[request_id] = g
+        return g

@@ -1,0 +1,107 @@
+"""Batched token sampling from logits: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Called by `engine.runner.model_runner` after the model step, one row per request that
+samples. Order of operations (research/engine.md §6.3): temperature, then top-k, then top-p,
+then draw. Temperature 0 is greedy (argmax). A request with a seed draws from its own
+`torch.Generator`, so its tokens do not depend on its batch neighbours; others share the
+sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits [N, V] float32 -> one token per row (+ logprobs where asked)."""
+        n = logits.shape[0]
+        greedy = [p.temperature == 0.0 for p in params]
+        tokens = torch.empty(n, dtype=torch.int64)
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            g_rows = [i for i in range(n) if greedy[i]]
+            if g_rows:
+                idx = torch.tensor(g_rows)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            s_rows = [i for i in range(n) if not greedy[i]]
+            idx = torch.tensor(s_rows)
+            probs = _processed_probs(logits[idx], [params[i] for i in s_rows])
+            tokens[idx] = _draw(probs, [generators[i] for i in s_rows], self.generator)
+        token_list = tokens.tolist()
+        logprobs: list[float | None] = [None] * n
+        tops: list[list[tuple[int, float]] | None] = [None] * n
+        want = [i for i in range(n) if params[i].logprobs is not None]
+        if want:
+            idx = torch.tensor(want)
+            lp = torch.log_softmax(logits[idx].float(), dim=-1)
+            chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+            k_max = max(params[i].logprobs or 0 for i in want)
+            top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+            for j, i in enumerate(want):
+                k = params[i].logprobs or 0
+                logprobs[i] = chosen[j]
+                tops[i] = list(zip(top_i_l[j][:k], top_v_l[j][:k], strict=True))
+        return SamplerOutput(token_list, logprobs, tops)
+
+
+def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top-k and top-p row by row (vectorised); return probabilities."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k for p in params]
+    top_ps = [p.top_p for p in params]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+        ranks = torch.arange(vocab)[None, :]
+        remove = ranks >= ks[:, None]
+        if any(p < 1.0 for p in top_ps):
+            sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+            cum = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass before each token
+            ps = torch.tensor(top_ps, dtype=logits.dtype)
+            remove |= cum >= ps[:, None]
+            remove[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def _draw(
+    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator
+) -> torch.Tensor:
+    """Exponential-race draw (argmax p/q, q ~ Exp(1)): seeded rows use their own generator."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=shared)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return (probs / q).argmax(dim=-1)
