@@ -1,1 +1,1 @@
-
+"""Benchmarks that print ratios against a peer run side by side (not collected by pytest)."""

@@ -61,7 +61,7 @@ def _translate(exc: Exception) -> BusError:
         return exc
     if isinstance(exc, kerr.CommitFailedError):
         return CommitFailed(str(exc))
-    unavailable = (kerr.NoBrokersAvailable, kerr.KafkaTimeoutError, kerr.KafkaConnectionError)
+    unavailable = (kerr.KafkaTimeoutError, kerr.KafkaConnectionError)
     if isinstance(exc, unavailable):
         return BusUnavailable(str(exc) or type(exc).__name__)
     retryable = bool(getattr(exc, "retriable", False))
@@ -278,3 +278,25 @@ class KafkaConsumer(Consumer):
             self._consumer.close(autocommit=False)
         except Exception:  # closing is best effort; the group times the member out
             logger.warning("kafka consumer close failed", exc_info=True)
+
+
+def check_kafka(bootstrap: str, timeout_s: float = 3.0) -> str:
+    """Ask the cluster for its brokers; raises `BusUnavailable` when it does not answer."""
+    config = KafkaConfig(bootstrap=bootstrap)
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=config.servers,
+            client_id="sluice-doctor",
+            request_timeout_ms=int(timeout_s * 1000),
+            bootstrap_timeout_ms=int(timeout_s * 1000),
+        )
+    except Exception as exc:
+        raise _translate(exc) from exc
+    try:
+        cluster = admin.describe_cluster()
+        brokers = cluster.get("brokers", [])
+        return f"{len(brokers)} broker(s), cluster {cluster.get('cluster_id')}"
+    except Exception as exc:
+        raise _translate(exc) from exc
+    finally:
+        admin.close()

@@ -205,7 +205,7 @@ def run_until_signalled(loop: ConsumeLoop) -> None:
         logger.info("signal %s: draining group=%s", signum, loop.group_id)
         loop.stop()
 
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, _on_signal)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,10 +39,9 @@ class Member:
                         offsets: dict[TopicPartition, int] = {}
                         for r in batch:
                             offsets[r.tp] = r.offset + 1
-                        try:
+                        # A failed commit means a rebalance: these come again to someone.
+                        with contextlib.suppress(Exception):
                             self.consumer.commit(offsets)
-                        except Exception:  # a rebalance: these come again to someone
-                            pass
         except BaseException as exc:  # surfaced by halt()
             self.error = exc
 

@@ -125,7 +125,9 @@ def test_paused_partitions_deliver_nothing_until_resumed(
 ) -> None:
     bus.create_topics([TopicSpec(topic, 2)])
     consumer = bus.consumer(group, [topic])
-    wait_until(lambda: len(consumer.assignment()) == 2 or bool(consumer.poll(0.1)), SETTLE_S, "join")
+    wait_until(
+        lambda: len(consumer.assignment()) == 2 or bool(consumer.poll(0.1)), SETTLE_S, "join"
+    )
     held = TopicPartition(topic, 0)
     consumer.pause([held])
     assert consumer.paused() == {held}

@@ -1,0 +1,107 @@
+"""The `sluice` command line (typer): one entry point for every process kind.
+
+Only commands that work are listed; each has `--help`, and `--json` where a machine may
+read the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Any
+
+import typer
+
+from sluice import __version__
+from sluice.settings import Settings, SettingsError, load_settings
+
+app = typer.Typer(
+    name="sluice",
+    help="Sluice: an event-driven LLM inference pipeline (OpenAI-compatible, Kafka lanes).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print ratios against a peer run side by side.")
+app.add_typer(bench_app, name="bench")
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"sluice {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_callback(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+    ] = False,
+) -> None:
+    """Sluice command line."""
+
+
+def settings_or_exit(**overrides: Any) -> Settings:
+    try:
+        settings = load_settings(Settings, **overrides)
+    except SettingsError as exc:
+        typer.echo(f"configuration error:\n{exc}", err=True)
+        raise typer.Exit(2) from exc
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    return settings
+
+
+def emit_json(payload: Any) -> None:
+    typer.echo(json.dumps(payload, indent=2, default=str))
+
+
+@app.command()
+def doctor(as_json: JsonFlag = False) -> None:
+    """Check each configured service and say what is wrong, one line each."""
+    from sluice.doctor import run_checks
+
+    settings = settings_or_exit()
+    checks = run_checks(settings)
+    if as_json:
+        emit_json({"ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks]})
+    else:
+        for c in checks:
+            mark = "ok  " if c.ok else "FAIL"
+            fix = f" -> {c.fix}" if not c.ok and c.fix else ""
+            typer.echo(f"{mark} {c.name:<9} {c.detail}{fix}")
+    if not all(c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+@bench_app.command("bus")
+def bench_bus(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="Fewer messages (seconds, not a minute).")] = False,
+    kafka: Annotated[
+        str | None,
+        typer.Option(
+            help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."
+        ),
+    ] = None,
+) -> None:
+    """Produce→consume latency p50/p99 and messages/s, memory bus vs Kafka."""
+    from benchmarks.bus import render, run
+
+    settings = settings_or_exit()
+    result = run(kafka_bootstrap=kafka or settings.kafka_bootstrap, quick=quick)
+    if as_json:
+        emit_json(result)
+    else:
+        typer.echo(render(result))
+
+
+def main() -> None:
+    app(prog_name="sluice")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Settings, built once at start-up from `SLUICE_*` variables and passed down.
+
+One class per process kind, composed of shared parts (STYLE.md). Bad values fail at
+start-up with a message that names the variable, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "SLUICE_"
+
+
+class SettingsError(Exception):
+    """Configuration is invalid; `str()` is one line per problem, each with its fix."""
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+
+class CommonSettings(_Base):
+    data_dir: Path = Field(
+        default=Path.home() / ".sluice",
+        description="where embedded mode keeps its SQLite file, models and batch files",
+    )
+    log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in logging.getLevelNamesMapping():
+            raise ValueError("use one of DEBUG, INFO, WARNING, ERROR")
+        return level
+
+
+class BusSettings(_Base):
+    kafka_bootstrap: str | None = Field(
+        default=None, description="host:port[,host:port]; unset means the in-memory bus"
+    )
+    kafka_client_id: str = "sluice"
+    request_partitions: int = Field(default=6, ge=1, le=1024)
+    tokens_partitions: int = Field(default=6, ge=1, le=1024)
+    usage_partitions: int = Field(default=3, ge=1, le=1024)
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        for server in value.split(","):
+            host, sep, port = server.strip().rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("expected host:port[,host:port...], e.g. 127.0.0.1:9092")
+        return value.strip()
+
+
+class StoreSettings(_Base):
+    database_url: str | None = Field(
+        default=None,
+        description="postgresql+psycopg://user@host:5432/db; unset means SQLite in data_dir",
+    )
+    redis_url: str | None = Field(
+        default=None, description="redis://host:6379/0; unset means in-process quota store"
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _database(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        scheme = urlsplit(value).scheme
+        if scheme.split("+")[0] not in {"postgresql", "postgres", "sqlite"}:
+            raise ValueError(
+                "expected a PostgreSQL or SQLite URL, "
+                "e.g. postgresql+psycopg://postgres@127.0.0.1:5432/sluice"
+            )
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if urlsplit(value).scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError("expected a Redis URL, e.g. redis://127.0.0.1:6379/0")
+        return value
+
+
+class Settings(CommonSettings, BusSettings, StoreSettings):
+    """What every Sluice process reads; process kinds extend it."""
+
+
+S = TypeVar("S", bound=_Base)
+
+
+def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
+    """Build settings from the environment plus explicit overrides (CLI flags)."""
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(describe(exc)) from exc
+
+
+def describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "settings"
+        var = f"{ENV_PREFIX}{field.upper()}"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"{var}={error.get('input')!r} is invalid: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Wire contracts: compact encoding, strict decoding, versioned topics, partitioning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kafka.partitioner.default import murmur2 as kafka_murmur2
+
+from bus.codec import decode, encode
+from bus.errors import DecodeError
+from bus.messages import Cancel, GenerateRequest, SamplingSpec, TokenDelta, TokenDeltaBatch
+from bus.partitioner import murmur2, partition_for
+from bus.topics import CONTROL_TOPIC, TOKENS_TOPIC, Lane, request_topic
+
+
+def request() -> GenerateRequest:
+    return GenerateRequest(
+        request_id="req-1",
+        tenant_id="t-1",
+        model="tiny-llama",
+        lane=Lane.INTERACTIVE,
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingSpec(temperature=0.0, max_tokens=8, stop=["\n"]),
+        reply_to="gw-1",
+        created_ms=1,
+    )
+
+
+def test_messages_round_trip_compactly() -> None:
+    msg = request()
+    raw = encode(msg)
+    assert b" " not in raw.replace(b'"\\n"', b"")
+    assert decode(request_topic(Lane.INTERACTIVE), raw) == msg
+    batch = TokenDeltaBatch(
+        reply_to="gw-1", deltas=[TokenDelta(request_id="r", seq_no=0, token_ids=[5], text="hi")]
+    )
+    assert decode(TOKENS_TOPIC, encode(batch)) == batch
+
+
+def test_topics_carry_a_version_suffix() -> None:
+    assert request_topic(Lane.BATCH) == "sluice.requests.batch.v1"
+    assert TOKENS_TOPIC.endswith(".v1")
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"not json", "not a valid GenerateRequest"),
+        (b'{"request_id": "r"}', "tenant_id"),
+        (encode(request())[:-1] + b',"surprise":1}', "surprise"),
+        (encode(request()).replace(b'"schema_version":1', b'"schema_version":2'), "schema_version"),
+    ],
+)
+def test_bad_bytes_raise_a_permanent_decode_error(raw: bytes, fragment: str) -> None:
+    with pytest.raises(DecodeError, match=fragment) as info:
+        decode(request_topic(Lane.STANDARD), raw)
+    assert info.value.retryable is False
+
+
+def test_unknown_topic_is_a_decode_error() -> None:
+    with pytest.raises(DecodeError, match="no message type"):
+        decode("nobody.v1", b"{}")
+
+
+def test_cancel_names_exactly_one_target() -> None:
+    assert decode(CONTROL_TOPIC, encode(Cancel(request_id="r", tenant_id="t"))) is not None
+    with pytest.raises(ValueError, match="exactly one"):
+        Cancel(tenant_id="t")
+    with pytest.raises(ValueError, match="exactly one"):
+        Cancel(request_id="r", batch_id="b", tenant_id="t")
+
+
+def test_partitioner_matches_kafkas_murmur2() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        key = rng.randbytes(rng.randint(0, 40))
+        assert murmur2(key) == kafka_murmur2(key) & 0xFFFFFFFF
+    assert partition_for(b"tenant-a", 6) == partition_for(b"tenant-a", 6)
+    assert partition_for(b"x", 1) == 0
