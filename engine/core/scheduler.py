@@ -31,12 +31,9 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
+from engine.errors import RequestRejectedError
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejectedError(ValueError):
-    """A request can never run in this engine (permanent: e.g. its prompt is too long)."""
 
 
 class Scheduler:

@@ -9,6 +9,8 @@ preemption exactly when the bookkeeping is right.
 
 from __future__ import annotations
 
+import time
+
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
 
 _MASK = (1 << 61) - 1
@@ -19,8 +21,11 @@ def _mix(prev: int, token_id: int, position: int) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 97) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, vocab_size: int = 97, step_delay_s: float = 0.0
+    ) -> None:
         self.block_size = block_size
+        self.step_delay_s = step_delay_s  # like a model forward, for tests that race the loop
         self.vocab_size = vocab_size
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
         self.num_steps = 0
@@ -34,6 +39,8 @@ class FakeRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.num_steps += 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         self.finished_request_ids.extend(scheduler_output.finished_request_ids)
         total = sum(s.num_new_tokens for s in scheduler_output.scheduled)
         assert total == scheduler_output.num_batched_tokens
@@ -77,3 +84,27 @@ def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int = 97) -
         out.append(token_id)
         tokens.append(token_id)
     return out
+
+
+class FakeTokenizer:
+    """Token id n decodes to one letter; enough for `IncrementalDetokenizer`."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(token_text(t) for t in token_ids)
+
+
+def token_text(token_id: int) -> str:
+    return chr(ord("a") + token_id % 26)
+
+
+class FailingRunner(FakeRunner):
+    """Raises on its `fail_at`-th step, like a runner hitting a CUDA error."""
+
+    def __init__(self, num_blocks: int, block_size: int, fail_at: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.fail_at = fail_at
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.num_steps + 1 >= self.fail_at:
+            raise RuntimeError("device fell over")
+        return super().execute(scheduler_output)

@@ -1,0 +1,267 @@
+"""`TorchEngineBackend`: Sluice's own engine behind `EngineBackend`, its loop in a thread.
+
+Where the pipeline meets the engine: the engine worker (or embedded mode) calls
+`submit`/`abort` from asyncio; a daemon thread drains those commands at the top of
+each step, runs `EngineCore.step()`, and hands each step's deltas to the asyncio loop
+with one `call_soon_threadsafe` (one batch per step). The thread sleeps on a condition
+when there is no work and never waits on Python I/O; torch releases the GIL inside its
+ops, so the asyncio side stays responsive.
+
+If the loop raises, the engine is dead: every in-flight request gets a terminal delta
+with finish_reason 'error', `health()` turns False, `submit` raises EngineDeadError and
+`deltas()` ends. At `shutdown`, in-flight requests end with 'abort'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestRejectedError,
+)
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, tokenizer_detokenizers
+
+logger = logging.getLogger(__name__)
+
+_Command = tuple[str, Any]  # ("add", EngineRequest) | ("abort", request_id)
+
+
+class TorchEngineBackend:
+    """Runs an `EngineCore` in a daemon thread; see the module docstring for the contract.
+
+    Construct with `from_model(...)` for a real model, or around any `EngineCore` (tests
+    use a fake runner). `start()` must be called from the asyncio loop that consumes
+    `deltas()`, or be given that loop.
+    """
+
+    def __init__(self, core: EngineCore, *, tokenizer: Any = None) -> None:
+        self.core = core
+        self.config = core.config
+        self.tokenizer = tokenizer  # for callers that need to encode/decode (may be None)
+        self._cond = threading.Condition()
+        self._inbox: list[_Command] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._stats = core.stats()
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str | Path = "tiny-llama",
+        *,
+        config: EngineConfig | None = None,
+        data_dir: str | Path | None = None,
+        quantization: str | None = None,
+        config_overrides: dict[str, Any] | None = None,
+    ) -> TorchEngineBackend:
+        """Load a Hugging Face directory or the `tiny-llama` preset and build the engine."""
+        from engine.loader import load_model
+        from engine.runner.model_runner import ModelRunner
+
+        config = config or EngineConfig()
+        loaded = load_model(
+            model,
+            data_dir=data_dir,
+            dtype=config.dtype,
+            device=config.device,
+            quantization=quantization,
+            config_overrides=config_overrides,
+        )
+        runner = ModelRunner(loaded.model, config)
+        core = EngineCore(
+            config,
+            runner,
+            num_kv_blocks=runner.num_kv_blocks,
+            eos_token_ids=loaded.eos_token_ids,
+            detokenizers=tokenizer_detokenizers(loaded.tokenizer),
+        )
+        logger.info(
+            "engine loaded model=%s kv_blocks=%s block_size=%s device=%s dtype=%s",
+            loaded.path.name,
+            runner.num_kv_blocks,
+            config.block_size,
+            config.device,
+            config.dtype,
+        )
+        return cls(core, tokenizer=loaded.tokenizer)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("engine thread did not stop within %.1fs", timeout_s)
+
+    def health(self) -> bool:
+        thread = self._thread
+        return (
+            thread is not None and thread.is_alive() and self._error is None and not self._stopping
+        )
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine loop, if it died."""
+        return self._error
+
+    # -- requests in -----------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        self._check_request(request)
+        with self._cond:
+            if self._closed or self._stopping:
+                raise EngineDeadError("engine is not running") from self._error
+            self._inbox.append(("add", request))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def _check_request(self, request: EngineRequest) -> None:
+        num_prompt = len(request.prompt_token_ids)
+        max_model_len = self.config.max_model_len
+        if num_prompt == 0:
+            raise RequestRejectedError("prompt is empty")
+        if num_prompt >= max_model_len:
+            raise RequestRejectedError(
+                f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
+                f"most {max_model_len - 1}"
+            )
+
+    # -- deltas out ------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[list[EngineDelta]]:
+        if self._queue is None:
+            raise RuntimeError("start() the engine before reading deltas()")
+        queue = self._queue
+        while True:
+            batch = await queue.get()
+            if batch is None:
+                return
+            yield batch
+
+    def stats(self) -> EngineStats:
+        stats = self._stats
+        num_pending = len(self._inbox)
+        if num_pending == stats.num_pending:
+            return stats
+        return EngineStats(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_pending=num_pending,
+            kv_usage=stats.kv_usage,
+            num_kv_blocks=stats.num_kv_blocks,
+            num_preemptions=stats.num_preemptions,
+            num_steps=stats.num_steps,
+            num_generated_tokens=stats.num_generated_tokens,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_cached_tokens=stats.num_cached_tokens,
+        )
+
+    def _publish(self, batch: list[EngineDelta] | None) -> None:
+        loop, queue = self._loop, self._queue
+        assert loop is not None and queue is not None
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, batch)
+        except RuntimeError:  # the consuming loop is closed: nobody is listening any more
+            logger.warning("engine deltas dropped: the asyncio loop is closed")
+
+    # -- the engine thread -----------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self._stopping and not core.has_unfinished():
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._inbox = self._inbox, []
+                batch = self._apply(commands)
+                batch.extend(core.step())
+                self._stats = core.stats()
+                if batch:
+                    self._publish(batch)
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._error = exc
+            self._finish("error", f"engine failed: {type(exc).__name__}: {exc}")
+        else:
+            self._finish("abort", "engine shut down")
+
+    def _apply(self, commands: list[_Command]) -> list[EngineDelta]:
+        """Add and abort in arrival order; a rejected add ends at once with 'error'."""
+        core = self.core
+        rejected: list[EngineDelta] = []
+        for kind, payload in commands:
+            if kind == "abort":
+                core.abort_request(payload)
+            elif core.has_request(payload.request_id):
+                # at-least-once delivery can hand us a request twice: keep the first
+                logger.warning("request_id=%s submitted twice; ignored", payload.request_id)
+            else:
+                try:
+                    core.add_request(payload)
+                except Exception as exc:
+                    logger.warning("request_id=%s rejected: %s", payload.request_id, exc)
+                    rejected.append(_terminal_delta(payload, "error", str(exc)))
+        return rejected
+
+    def _finish(self, finish_reason: FinishReason, message: str) -> None:
+        """End every in-flight and pending request, then end `deltas()`."""
+        with self._cond:
+            pending, self._inbox, self._closed = self._inbox, [], True
+        error = message if finish_reason == "error" else None
+        deltas = [_terminal_delta(p, finish_reason, error) for k, p in pending if k == "add"]
+        try:
+            deltas.extend(self.core.abort_all(finish_reason, error))
+        except Exception:  # the core itself is broken: still end every request
+            logger.exception("could not abort requests cleanly")
+            deltas.extend(
+                EngineDelta(request_id, finish_reason=finish_reason, error=error)
+                for request_id in self.core.request_ids()
+            )
+        if deltas:
+            self._publish(deltas)
+        self._publish(None)
+        logger.info("engine loop stopped: %s", message)
+
+
+def _terminal_delta(
+    request: EngineRequest, finish_reason: FinishReason, error: str | None
+) -> EngineDelta:
+    return EngineDelta(
+        request.request_id,
+        finish_reason=finish_reason,
+        error=error,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=0,
+        num_output_tokens=0,
+    )

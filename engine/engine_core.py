@@ -1,0 +1,247 @@
+"""One engine step, synchronously: schedule -> runner.execute -> update -> token deltas.
+
+The middle of the engine: the backend's loop thread calls `step()` over and over;
+`EngineCore` owns the `Scheduler` and a runner (anything with
+`execute(SchedulerOutput) -> RunnerOutput`, torch or fake) and turns sampled tokens into
+`EngineDelta`s: incremental detokenization, stop strings (held back until they cannot
+be a stop-string prefix, never emitted), logprobs, and exactly one terminal delta per
+request with its usage counts. Not thread-safe: one thread drives it.
+
+Stop checks, in order: EOS (unless ignore_eos; not before min_tokens), stop_token_ids
+(not before min_tokens), max_tokens, max_model_len (these four in the scheduler), then
+stop strings (here, through the detokenizer). A stop string found on the token that
+also hit a length limit makes the finish reason 'stop'.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.backends.base import (
+    EngineDelta,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    TokenLogprob,
+)
+from engine.config import EngineConfig
+from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+class Detokenizer(Protocol):
+    """Per-request incremental detokenizer (engine.tokenizer.IncrementalDetokenizer)."""
+
+    stop_reason: str | None
+
+    def add_token(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+DetokenizerFactory = Callable[[Request], Detokenizer]
+
+
+def tokenizer_detokenizers(tokenizer: Tokenizer) -> DetokenizerFactory:
+    """A factory of `IncrementalDetokenizer`s over `tokenizer`, with each request's stops."""
+    from engine.tokenizer import IncrementalDetokenizer
+
+    def make(request: Request) -> Detokenizer:
+        return IncrementalDetokenizer(
+            tokenizer, request.prompt_token_ids, request.sampling_params.stop
+        )
+
+    return make
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    detokenizer: Detokenizer | None
+    want_logprobs: bool
+
+
+class EngineCore:
+    """Scheduler + runner + output processing for one engine.
+
+    num_kv_blocks: the KV capacity the runner allocated (block 0 included); defaults to
+    `runner.num_kv_blocks`, then to `config.num_kv_blocks`.
+    detokenizers: builds one detokenizer per request; None means no text (token ids only,
+    stop strings ignored).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        *,
+        num_kv_blocks: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        detokenizers: DetokenizerFactory | None = None,
+        hash_seed: int | None = None,
+    ) -> None:
+        if num_kv_blocks is None:
+            num_kv_blocks = getattr(runner, "num_kv_blocks", None) or config.num_kv_blocks
+        if num_kv_blocks is None:
+            raise ValueError("num_kv_blocks is unknown: pass it, or set config.num_kv_blocks")
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(config, num_kv_blocks, hash_seed=hash_seed)
+        self.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detokenizers = detokenizers
+        self._states: dict[str, _RequestState] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    # -- requests --------------------------------------------------------------------
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request; raises RequestRejectedError if it can never run."""
+        request = Request(
+            request_id=engine_request.request_id,
+            prompt_token_ids=list(engine_request.prompt_token_ids),
+            sampling_params=engine_request.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=engine_request.priority,
+            deadline=engine_request.deadline,
+            cache_salt=engine_request.cache_salt,
+        )
+        detokenizer = self.detokenizers(request) if self.detokenizers is not None else None
+        self.scheduler.add_request(request)
+        self._states[request.request_id] = _RequestState(
+            request, detokenizer, request.sampling_params.logprobs is not None
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request; its terminal delta comes out of the next `step()`."""
+        return bool(self.scheduler.abort_requests(request_id))
+
+    def has_unfinished(self) -> bool:
+        """True while some request still owes deltas (a terminal one at least)."""
+        return bool(self._states)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def request_ids(self) -> list[str]:
+        return list(self._states)
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self) -> list[EngineDelta]:
+        scheduler_output = self.scheduler.schedule()
+        deltas: list[EngineDelta] = []
+        states = self._states
+        # finished outside a token: aborted, deadline passed, outgrew the KV cache
+        for request_id in scheduler_output.finished_request_ids:
+            state = states.pop(request_id, None)
+            if state is not None:
+                deltas.append(self._terminal(EngineDelta(request_id), state, None))
+        if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+            return deltas
+        runner_output = self.runner.execute(scheduler_output)
+        self.num_steps += 1
+        for request, sampled in self.scheduler.update_from_output(scheduler_output, runner_output):
+            state = states.get(request.request_id)
+            if state is not None:
+                deltas.append(self._on_token(state, sampled))
+        return deltas
+
+    def _on_token(self, state: _RequestState, sampled: SampledToken) -> EngineDelta:
+        request = state.request
+        token_id = sampled.token_id
+        self.num_generated_tokens += 1
+        delta = EngineDelta(request.request_id, [token_id])
+        if state.want_logprobs and sampled.logprob is not None:
+            delta.logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]
+        status = request.status
+        detokenizer = state.detokenizer
+        stop_reason: str | int | None = None
+        if status == RequestStatus.FINISHED_STOPPED:
+            # EOS or a stop token id: it ends the text and is not part of it
+            if token_id in request.sampling_params.stop_token_ids:
+                stop_reason = token_id
+        elif detokenizer is not None:
+            delta.text = detokenizer.add_token(token_id)
+            if detokenizer.stop_reason is not None:
+                stop_reason = detokenizer.stop_reason
+                if not status.finished:
+                    self.scheduler.finish_requests(
+                        request.request_id, RequestStatus.FINISHED_STOPPED
+                    )
+                status = RequestStatus.FINISHED_STOPPED
+        if not status.finished:
+            return delta
+        del self._states[request.request_id]
+        return self._terminal(delta, state, stop_reason, status)
+
+    def _terminal(
+        self,
+        delta: EngineDelta,
+        state: _RequestState,
+        stop_reason: str | int | None,
+        status: RequestStatus | None = None,
+    ) -> EngineDelta:
+        request = state.request
+        status = status or request.status
+        if state.detokenizer is not None and state.detokenizer.stop_reason is None:
+            delta.text += state.detokenizer.flush()
+        delta.finish_reason = status.finish_reason  # type: ignore[assignment]
+        delta.stop_reason = stop_reason
+        delta.num_prompt_tokens = request.num_prompt_tokens
+        delta.num_cached_tokens = max(request.num_cached_tokens, 0)
+        delta.num_output_tokens = request.num_output_tokens
+        self.num_prompt_tokens += request.num_prompt_tokens
+        self.num_cached_tokens += max(request.num_cached_tokens, 0)
+        logger.debug(
+            "request_id=%s finished reason=%s prompt=%s cached=%s output=%s",
+            request.request_id,
+            delta.finish_reason,
+            request.num_prompt_tokens,
+            delta.num_cached_tokens,
+            request.num_output_tokens,
+        )
+        return delta
+
+    def abort_all(
+        self, finish_reason: FinishReason = "abort", error: str | None = None
+    ) -> list[EngineDelta]:
+        """Terminal deltas for every live request, e.g. at shutdown or after a crash."""
+        deltas: list[EngineDelta] = []
+        self.scheduler.abort_requests(list(self._states))
+        for request_id, state in list(self._states.items()):
+            delta = self._terminal(EngineDelta(request_id), state, None)
+            delta.finish_reason = finish_reason
+            delta.error = error
+            deltas.append(delta)
+        self._states.clear()
+        return deltas
+
+    def stats(self, num_pending: int = 0) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+            num_pending=num_pending,
+            kv_usage=scheduler.kv_usage,
+            num_kv_blocks=self.num_kv_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,211 @@
+"""The threaded backend over the fake runner: delivery, aborts, idling, death, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, RequestRejectedError
+from engine.backends.torch_backend import TorchEngineBackend
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling import SamplingParams
+from tests.unit.engine.fakes import FailingRunner, FakeRunner, reference_tokens
+from tests.unit.engine.invariants import check_all_returned
+
+PROMPT = list(range(1, 19))
+
+
+def make_backend(runner: FakeRunner | None = None, **overrides: Any) -> TorchEngineBackend:
+    overrides.setdefault("max_model_len", 64)
+    config = EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, **overrides)
+    core = EngineCore(config, runner or FakeRunner(64, 4), hash_seed=0)
+    return TorchEngineBackend(core)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+async def collect(
+    backend: TorchEngineBackend,
+    expected: set[str],
+    on_batch: Callable[[list[EngineDelta]], Awaitable[None]] | None = None,
+) -> dict[str, list[EngineDelta]]:
+    """Read deltas until every expected request has its terminal delta."""
+    out: dict[str, list[EngineDelta]] = {}
+    done: set[str] = set()
+    async with asyncio.timeout(10):
+        async for batch in backend.deltas():
+            assert len({d.request_id for d in batch}) == len(batch), "one delta per request/step"
+            for delta in batch:
+                assert delta.request_id not in done, "delta after the terminal one"
+                out.setdefault(delta.request_id, []).append(delta)
+                if delta.finished:
+                    done.add(delta.request_id)
+            if on_batch is not None:
+                await on_batch(batch)
+            if done >= expected:
+                break
+    return out
+
+
+def test_many_requests_stream_to_one_terminal_each() -> None:
+    async def main() -> dict[str, list[EngineDelta]]:
+        backend = make_backend()
+        backend.start()
+        for i in range(6):
+            backend.submit(EngineRequest(f"r{i}", PROMPT[: 5 + i], greedy(7)))
+        out = await collect(backend, {f"r{i}" for i in range(6)})
+        backend.shutdown()
+        check_all_returned(backend.core.scheduler)
+        return out
+
+    out = asyncio.run(main())
+    for i in range(6):
+        deltas = out[f"r{i}"]
+        assert [t for d in deltas for t in d.token_ids] == reference_tokens(PROMPT[: 5 + i], 7)
+        assert deltas[-1].finish_reason == "length"
+
+
+def test_abort_mid_stream_frees_every_block_and_ends_with_abort() -> None:
+    async def main() -> None:
+        backend = make_backend(FakeRunner(64, 4, step_delay_s=0.005))
+        backend.start()
+        backend.submit(EngineRequest("long", PROMPT, greedy(40)))
+
+        async def abort_after_first(batch: list[EngineDelta]) -> None:
+            if any(d.token_ids for d in batch):
+                backend.abort("long")
+
+        out = await collect(backend, {"long"}, abort_after_first)
+        assert out["long"][-1].finish_reason == "abort"
+        assert 1 <= out["long"][-1].num_output_tokens < 40  # type: ignore[operator]
+        await asyncio.sleep(0.05)
+        check_all_returned(backend.core.scheduler)
+        assert backend.stats().kv_usage == 0.0
+        backend.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_while_waiting_still_gets_a_terminal_delta() -> None:
+    async def main() -> None:
+        backend = make_backend(max_num_seqs=1)
+        backend.start()
+        backend.submit(EngineRequest("first", PROMPT, greedy(30)))
+        backend.submit(EngineRequest("second", PROMPT, greedy(30)))
+        backend.abort("second")
+        backend.abort("never-submitted")
+        out = await collect(backend, {"first", "second"})
+        assert out["second"] == [
+            EngineDelta(
+                "second",
+                finish_reason="abort",
+                num_prompt_tokens=18,
+                num_cached_tokens=0,
+                num_output_tokens=0,
+            )
+        ]
+        assert out["first"][-1].finish_reason == "length"
+        backend.shutdown()
+
+    asyncio.run(main())
+
+
+def test_idle_engine_does_not_spin_and_reports_stats() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        backend.start()
+        backend.submit(EngineRequest("a", PROMPT, greedy(3)))
+        await collect(backend, {"a"})
+        steps = backend.core.num_steps
+        await asyncio.sleep(0.1)
+        assert backend.core.num_steps <= steps + 1
+        stats = backend.stats()
+        assert (stats.num_waiting, stats.num_running, stats.kv_usage) == (0, 0, 0.0)
+        assert stats.num_generated_tokens == 3 and stats.num_prompt_tokens == 18
+        assert backend.health()
+        backend.shutdown()
+        assert not backend.health()
+
+    asyncio.run(main())
+
+
+def test_rejects_bad_prompts_at_submit_and_duplicates_in_the_loop() -> None:
+    async def main() -> None:
+        backend = make_backend(max_model_len=8)
+        backend.start()
+        with pytest.raises(RequestRejectedError):
+            backend.submit(EngineRequest("long", [1] * 8, greedy(2)))
+        with pytest.raises(RequestRejectedError):
+            backend.submit(EngineRequest("empty", [], greedy(2)))
+        backend.submit(EngineRequest("a", [1, 2], greedy(5)))
+        backend.submit(EngineRequest("a", [1, 2], greedy(5)))
+        out = await collect(backend, {"a"})
+        assert sum(d.finished for d in out["a"]) == 1
+        assert sum(len(d.token_ids) for d in out["a"]) == 5
+        backend.shutdown()
+
+    asyncio.run(main())
+
+
+def test_dead_loop_fails_in_flight_requests_and_turns_unhealthy() -> None:
+    async def main() -> None:
+        backend = make_backend(FailingRunner(64, 4, fail_at=3))
+        backend.start()
+        backend.submit(EngineRequest("a", PROMPT, greedy(20)))
+        backend.submit(EngineRequest("b", [1, 2], greedy(20)))
+        out: dict[str, list[EngineDelta]] = {}
+        async with asyncio.timeout(10):
+            async for batch in backend.deltas():  # ends after the engine died
+                for delta in batch:
+                    out.setdefault(delta.request_id, []).append(delta)
+        assert out["a"][-1].finish_reason == out["b"][-1].finish_reason == "error"
+        assert "device fell over" in (out["a"][-1].error or "")
+        assert not backend.health()
+        assert isinstance(backend.error, RuntimeError)
+        with pytest.raises(EngineDeadError):
+            backend.submit(EngineRequest("c", [1], greedy(1)))
+
+    asyncio.run(main())
+
+
+def test_shutdown_aborts_in_flight_requests() -> None:
+    async def main() -> None:
+        backend = make_backend(FakeRunner(64, 4, step_delay_s=0.005), max_num_seqs=1)
+        backend.start()
+        backend.submit(EngineRequest("a", PROMPT, greedy(40)))
+        backend.submit(EngineRequest("b", PROMPT, greedy(10)))
+        seen: list[EngineDelta] = []
+        async with asyncio.timeout(10):
+            async for batch in backend.deltas():
+                seen.extend(batch)
+                if len(seen) >= 2:
+                    break
+        backend.shutdown()
+        async with asyncio.timeout(10):
+            async for batch in backend.deltas():
+                seen.extend(batch)
+        terminal = {d.request_id: d.finish_reason for d in seen if d.finished}
+        assert terminal == {"a": "abort", "b": "abort"}
+
+    asyncio.run(main())
+
+
+def test_submit_does_not_wait_for_the_engine() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        backend.start()
+        t0 = time.perf_counter()
+        for i in range(200):
+            backend.submit(EngineRequest(f"r{i}", [1, 2, 3], greedy(1)))
+        assert time.perf_counter() - t0 < 0.5
+        await collect(backend, {f"r{i}" for i in range(200)})
+        backend.shutdown()
+
+    asyncio.run(main())
