@@ -23,7 +23,9 @@ class ScheduledRequest:
     slots given by `block_ids` (slot = block_ids[pos // block_size] * block_size +
     pos % block_size). Attention for each new token covers positions [0, its own].
     `sample` is True when the chunk ends at the last known token, so the runner must
-    sample one next token for this request.
+    sample one next token for this request. `block_ids` is the request's live block table
+    (it grows in place between steps, no copy per step): read it during `execute`, never
+    mutate it or keep it past the step.
     """
 
     request: Request

@@ -177,3 +177,19 @@ def test_backend_abort_mid_stream_frees_every_block(
     assert sum(d.finished for d in seen) == 1
     assert 2 <= seen[-1].num_output_tokens < 100  # type: ignore[operator]
     check_all_returned(core.scheduler)
+
+
+def test_logprobs_come_with_each_token_when_asked(
+    loaded: LoadedModel, prompts: list[list[int]]
+) -> None:
+    core = make_core(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    core.add_request(EngineRequest("lp", prompts[2], params))
+    core.add_request(EngineRequest("plain", prompts[2], greedy()))
+    out = run(core)
+    assert all(d.logprobs is None for d in out["plain"])
+    for delta in out["lp"]:
+        assert delta.logprobs is not None and len(delta.logprobs) == len(delta.token_ids) == 1
+        entry = delta.logprobs[0]
+        assert entry.token_id == delta.token_ids[0] and entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0][0] == entry.token_id
