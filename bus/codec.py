@@ -54,8 +54,10 @@ def decode_as(model: type[M], value: bytes) -> M:
 
 
 def decode(topic: str, value: bytes) -> Message:
-    """Decode with the message type registered for `topic`."""
+    """Decode with the message type registered for `topic` (reply topics carry deltas)."""
     model = TOPIC_MESSAGES.get(topic)
+    if model is None and topic.startswith("sluice.tokens.") and topic.endswith(".v1"):
+        model = TokenDeltaBatch
     if model is None:
         raise DecodeError(f"no message type registered for topic {topic}")
     return decode_as(model, value)

@@ -99,22 +99,30 @@ class Usage(BaseModel):
 
 
 class TokenDelta(BaseModel):
-    """New tokens of one request attempt; ordered by seq_no within (request_id, attempt)."""
+    """New tokens of one request attempt; ordered by seq_no within (request_id, attempt).
+
+    token_offset / text_offset are the absolute positions (in the whole completion, across
+    attempts) of this delta's first token and first character: after a failover the
+    gateway drops what it already delivered, and a higher attempt fences a lower one.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_id: str
     attempt: int = 0
     seq_no: int
+    token_offset: int = 0
+    text_offset: int = 0
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with finish_reason "error": a message fit for the client
     usage: Usage | None = None  # on the last delta only
 
 
 class TokenDeltaBatch(Message):
-    """All deltas for one reply target from one engine step. Key: reply_to."""
+    """All deltas for one reply target from one engine step, on `reply_topic(reply_to)`."""
 
     reply_to: str
     deltas: list[TokenDelta]

@@ -32,6 +32,17 @@ USAGE_TOPIC = "sluice.usage.v1"
 TELEMETRY_TOPIC = "sluice.telemetry.v1"
 
 
+def reply_topic(reply_to: str) -> str:
+    """Where the deltas for one gateway instance go: `sluice.tokens.<reply_to>.v1`.
+
+    Each gateway creates and reads its own reply topic, so it receives the deltas of its
+    own streams only; `TOKENS_TOPIC` is the family name used for its dead letters.
+    """
+    if not reply_to or not all(c.isalnum() or c in "-_" for c in reply_to):
+        raise ValueError(f"reply target must be [A-Za-z0-9_-]+, got {reply_to!r}")
+    return f"sluice.tokens.{reply_to}.v1"
+
+
 def dead_letter_topic(topic: str) -> str:
     """`sluice.usage.v1` → `sluice.usage.v1.dlq`."""
     return f"{topic}.dlq"
