@@ -99,6 +99,37 @@ def bench_bus(
         typer.echo(render(result))
 
 
+@bench_app.command("engine")
+def bench_engine(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="A smaller run (under two minutes).")] = False,
+    model: Annotated[
+        str | None, typer.Option(help="A Hugging Face model directory (default: h512 L8 preset).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32, the same on every side.")] = (
+        "bfloat16"
+    ),
+    gguf: Annotated[
+        str | None, typer.Option(help="GGUF of the same weights, for llama.cpp when installed.")
+    ] = None,
+) -> None:
+    """Sluice's engine vs HF generate and transformers continuous batching, side by side.
+
+    Needs transformers, from the project's test extra.
+    """
+    settings = settings_or_exit()
+    try:
+        from benchmarks.engine import render, run
+    except ImportError as exc:
+        typer.echo(f"bench engine needs the test extra: pip install -e '.[test]' ({exc})", err=True)
+        raise typer.Exit(2) from exc
+    result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir), gguf=gguf)
+    if as_json:
+        emit_json(result)
+    else:
+        typer.echo(render(result))
+
+
 def main() -> None:
     app(prog_name="sluice")
 
