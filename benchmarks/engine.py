@@ -1,0 +1,258 @@
+"""Engine benchmark: Sluice's torch engine vs HF `generate` and transformers continuous batching.
+
+Runs side by side, in one process, on the same weights and the same seeded workloads:
+mixed (64 requests, prompt U[16,128], output U[16,256], EOS ignored), batch-1 decode
+(64-token prompt, 128 new tokens; plus Sluice int8 weight-only) and shared prefix
+(1,024-token prefix: TTFT of a second request, prefix cache cold vs warm). The default
+model is the tiny-llama machinery with a config override (hidden 512, 8 layers, 8 heads,
+2 KV heads, intermediate 1408, vocab 32000), random seeded weights.
+
+`python -m benchmarks.engine [--quick] [--model DIR] [--dtype bfloat16] [--json]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import engine_peers as peers
+from engine.backends.base import EngineRequest
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, tokenizer_detokenizers
+from engine.loader import LoadedModel, default_data_dir, load_model, resolve_model_dir
+from engine.runner.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+
+BENCH_MODEL = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1408,
+    "vocab_size": 32000,
+}
+
+
+def mixed_workload(n: int, max_prompt: int, max_out: int, vocab: int) -> tuple[list, list]:
+    rng = random.Random(0)
+    prompts, outputs = [], []
+    for _ in range(n):
+        plen, olen = rng.randint(16, max_prompt), rng.randint(16, max_out)
+        prompts.append([rng.randrange(4, vocab) for _ in range(plen)])
+        outputs.append(olen)
+    return prompts, outputs
+
+
+class SluiceRun:
+    """One EngineCore over a loaded model; tracks TTFT per request and peak KV blocks."""
+
+    def __init__(self, lm: LoadedModel, dtype: str, prefix_caching: bool = True) -> None:
+        self.config = EngineConfig(
+            dtype=dtype,
+            block_size=16,
+            kv_cache_mb=256,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            max_model_len=4096,
+            enable_prefix_caching=prefix_caching,
+        )
+        self.runner = ModelRunner(lm.model, self.config)
+        self.core = EngineCore(
+            self.config,
+            self.runner,
+            eos_token_ids=lm.eos_token_ids,
+            detokenizers=tokenizer_detokenizers(lm.tokenizer),
+        )
+        self.peak_blocks = 0
+
+    def run(self, prompts: list[list[int]], outputs: list[int], tag: str = "r") -> dict:
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+            params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+            self.core.add_request(EngineRequest(f"{tag}{i}", list(p), params))
+        first: dict[str, float] = {}
+        generated = 0
+        kv = self.core.scheduler.kv_cache_manager
+        usable = self.runner.num_kv_blocks - 1
+        while self.core.has_unfinished():
+            for d in self.core.step():
+                if d.token_ids:
+                    generated += len(d.token_ids)
+                    first.setdefault(d.request_id, time.perf_counter() - t0)
+            self.peak_blocks = max(self.peak_blocks, usable - kv.num_free_blocks)
+        dt = time.perf_counter() - t0
+        ttfts = sorted(first.values())
+        return {
+            "tokens_per_s": generated / dt,
+            "ttft_ms": statistics.median(ttfts) * 1e3,
+            "generated_tokens": generated,
+            "elapsed_s": dt,
+        }
+
+
+def _sluice_batch1(lm: LoadedModel, dtype: str, prompt: list[int], new: int) -> dict:
+    run = SluiceRun(lm, dtype)
+    run.run([prompt], [4], "w")  # warm-up
+    ttft = run.run([prompt], [1], "t")["elapsed_s"]
+    total = run.run([prompt], [new], "d")["elapsed_s"]
+    return {"tokens_per_s": (new - 1) / max(total - ttft, 1e-9), "ttft_ms": ttft * 1e3}
+
+
+def _ratio(a: dict, b: dict, key: str = "tokens_per_s", invert: bool = False) -> float | None:
+    if key not in a or key not in b or not b[key]:
+        return None
+    return round(b[key] / a[key] if invert else a[key] / b[key], 2)
+
+
+def _bench_mixed(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:
+    n, mp, mo = (16, 64, 64) if quick else (64, 128, 256)
+    prompts, outputs = mixed_workload(n, mp, mo, vocab)
+    run = SluiceRun(lm, dtype)
+    run.run(prompts[:2], [4, 4], "warm")
+    systems: dict[str, dict] = {"sluice": run.run(prompts, outputs)}
+    systems["hf_generate"] = peers.hf_static(hf, prompts, outputs, batch=32)
+    systems["hf_continuous_batching"] = peers.hf_continuous_batching(hf, prompts, outputs)
+    for s in systems.values():
+        s.pop("elapsed_s", None)
+    s = systems["sluice"]
+    return {
+        "systems": systems,
+        "ratios": {
+            "sluice_vs_hf_generate": _ratio(s, systems["hf_generate"]),
+            "sluice_vs_hf_continuous_batching": _ratio(s, systems["hf_continuous_batching"]),
+        },
+        "kv_blocks": {"peak_used": run.peak_blocks, "allocated": run.runner.num_kv_blocks - 1},
+        "useful_tokens": sum(outputs),
+    }
+
+
+def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: str, quick: bool,
+                  vocab: int, gguf: Path | None) -> dict:  # fmt: skip
+    new = 32 if quick else 128
+    prompt = [random.Random(1).randrange(4, vocab) for _ in range(64)]
+    systems = {
+        "sluice": _sluice_batch1(lm, dtype, prompt, new),
+        "hf_generate": peers.hf_batch1(hf, prompt, new),
+    }
+    if lm_int8 is not None:
+        systems["sluice_int8"] = _sluice_batch1(lm_int8, dtype, prompt, new)
+    if gguf is not None and peers.llama_cpp_available():
+        systems["llama_cpp"] = peers.llama_cpp_batch1(gguf, prompt, new)
+    ratios = {"sluice_vs_hf_generate": _ratio(systems["sluice"], systems["hf_generate"])}
+    if "sluice_int8" in systems:
+        ratios["sluice_int8_vs_hf_generate"] = _ratio(
+            systems["sluice_int8"], systems["hf_generate"]
+        )
+    return {"systems": systems, "ratios": ratios}
+
+
+def _bench_shared_prefix(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:
+    rng = random.Random(2)
+    prefix = [rng.randrange(4, vocab) for _ in range(512 if quick else 1024)]
+    a = prefix + [rng.randrange(4, vocab) for _ in range(16)]
+    b = prefix + [rng.randrange(4, vocab) for _ in range(16)]
+    warmup = SluiceRun(lm, dtype)
+    warmup.run([a[:64]], [1], "w")
+    cold_run = SluiceRun(lm, dtype, prefix_caching=False)
+    cold_run.run([a], [1], "a")
+    cold = cold_run.run([b], [1], "b")["ttft_ms"]  # second request, caching off
+    warm_run = SluiceRun(lm, dtype, prefix_caching=True)
+    warm_run.run([a], [1], "a")
+    warm = warm_run.run([b], [1], "b")["ttft_ms"]  # second request, prefix cached
+    systems = {
+        "sluice": {"ttft_ms": warm, "ttft_cold_ms": cold},
+        "hf_generate": {"ttft_ms": peers.hf_ttft(hf, b)},
+    }
+    return {"systems": systems, "ratios": {"sluice_cold_vs_warm_ttft": round(cold / warm, 2)}}
+
+
+def run(
+    quick: bool = False,
+    model: str | None = None,
+    dtype: str = "bfloat16",
+    json_out: bool = False,
+    data_dir: str | None = None,
+    gguf: str | None = None,
+) -> dict:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    if model is None:
+        path = resolve_model_dir("tiny-llama", data_dir or default_data_dir(), BENCH_MODEL)
+    else:
+        path = Path(model)
+    lm = load_model(path, dtype=dtype)
+    lm_int8 = load_model(path, dtype=dtype, quantization="int8")
+    hf = peers.load_hf(path, lm.dtype)
+    vocab = lm.config.vocab_size
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "model": str(path),
+        "dtype": dtype,
+        "quick": quick,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "workloads": {
+            "batch1": _bench_batch1(
+                lm, lm_int8, hf, dtype, quick, vocab, Path(gguf) if gguf else None
+            ),
+            "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
+            "mixed": _bench_mixed(lm, hf, dtype, quick, vocab),
+        },
+    }
+    if not peers.llama_cpp_available():
+        result["skipped"] = {"llama_cpp": "llama-cpp-python is not importable"}
+    elif gguf is None:
+        result["skipped"] = {"llama_cpp": "no --gguf file given"}
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def render(result: dict) -> str:
+    lines = [
+        f"Sluice engine benchmark  model={result.get('model')}  dtype={result.get('dtype')}"
+        f"  quick={result.get('quick')}  torch={result.get('torch')}"
+        f"  threads={result.get('threads')}",
+        f"{'workload':<14}{'system':<24}{'tokens/s':>12}{'TTFT ms':>12}",
+    ]
+    for wname, w in result["workloads"].items():
+        for sname, s in w["systems"].items():
+            tps = f"{s['tokens_per_s']:.1f}" if "tokens_per_s" in s else "-"
+            ttft = f"{s['ttft_ms']:.1f}" if "ttft_ms" in s else "-"
+            lines.append(f"{wname:<14}{sname:<24}{tps:>12}{ttft:>12}")
+            if "ttft_cold_ms" in s:
+                lines.append(f"{'':<14}{sname + ' (cold)':<24}{'-':>12}{s['ttft_cold_ms']:>12.1f}")
+        for rname, r in w.get("ratios", {}).items():
+            lines.append(f"{'':<14}ratio {rname} = {r}x")
+        if "kv_blocks" in w:
+            kb = w["kv_blocks"]
+            lines.append(f"{'':<14}KV blocks peak used {kb['peak_used']} / {kb['allocated']}")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (< 2 minutes)")
+    ap.add_argument("--model", help="a Hugging Face model directory (default: bench preset)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--data-dir", help="where the preset model is created (default ~/.sluice)")
+    ap.add_argument("--gguf", help="GGUF of the same weights, for the llama.cpp peer")
+    args = ap.parse_args(argv)
+    result = run(args.quick, args.model, args.dtype, args.json, args.data_dir, args.gguf)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

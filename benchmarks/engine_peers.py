@@ -1,0 +1,117 @@
+"""Peer systems for `benchmarks.engine`: HF `generate` (static batches), transformers continuous
+batching, and llama.cpp (only when `llama-cpp-python` is importable and a GGUF is given).
+
+Each function runs one workload on the same weights and returns `{"tokens_per_s", "ttft_ms"}`
+(fields a workload does not measure are left out). transformers is imported lazily here,
+never by `engine/`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_hf(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # random weights: lengths must be exact
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def hf_static(model: Any, prompts: list[list[int]], outputs: list[int], batch: int = 32) -> dict:
+    """Left-padded static batches of `batch`; each batch runs to its longest output."""
+    useful = sum(outputs)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ps, os_ = prompts[i : i + batch], outputs[i : i + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        n = max(os_)
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": useful / dt}
+
+
+def hf_batch1(model: Any, prompt: list[int], new_tokens: int) -> dict:
+    ids = torch.tensor([prompt])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - t0
+    return {"tokens_per_s": (new_tokens - 1) / max(total - ttft, 1e-9), "ttft_ms": ttft * 1e3}
+
+
+def hf_ttft(model: Any, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def hf_continuous_batching(model: Any, prompts: list[list[int]], outputs: list[int]) -> dict:
+    """transformers CB with per-request max_new_tokens (settings from research/perf.md §4b)."""
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=-1)
+    cb = ContinuousBatchingConfig(
+        page_size=256,
+        num_blocks=128,
+        max_batch_tokens=512,
+        use_cuda_graph=False,
+        auto_switch_to_flash=False,
+    )
+    got = 0
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=600
+    ) as manager:
+        ids = [
+            manager.add_request(p, max_new_tokens=o) for p, o in zip(prompts, outputs, strict=True)
+        ]
+        for _ in ids:
+            res = manager.get_result(timeout=600)
+            if res is None:
+                break
+            got += len(res.generated_tokens)
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": got / dt, "generated_tokens": got}
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_batch1(gguf: Path, prompt: list[int], new_tokens: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    for _tok in llm.generate(prompt, top_k=1, temp=0.0):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        n += 1
+        if n >= new_tokens:
+            break
+    total = time.perf_counter() - t0
+    assert ttft is not None
+    return {"tokens_per_s": (n - 1) / max(total - ttft, 1e-9), "ttft_ms": ttft * 1e3}
