@@ -1,0 +1,56 @@
+"""Int8 weight-only quantization and the oneDNN-prepacked CPU linears."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.models.cpu_linear import PackedLinear, can_pack, pack_linears
+from engine.quantization import Int8Linear
+from engine.runner.model_runner import ModelRunner
+from tests.unit.engine.runner_driver import run_greedy
+
+
+def test_int8_linear_is_close_to_dense() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    q = Int8Linear(lin)
+    assert q.qweight.dtype == torch.int8 and q.scales.shape == (48,)
+    x = torch.randn(5, 64)
+    ref = lin(x)
+    rel = (q(x) - ref).abs().max() / ref.abs().max()
+    assert rel < 0.03  # int8 weights + bf16 activations
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN prepack unavailable")
+def test_packed_linear_matches_linear() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(PackedLinear(lin)(x), lin(x))
+    holder = nn.Module()
+    holder.proj = lin
+    assert pack_linears(holder, ("proj",), torch.bfloat16) == 1
+    assert isinstance(holder.proj, PackedLinear)
+
+
+def test_int8_model_mostly_agrees_with_full_precision(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    full = load_model("tiny-llama", data_dir=tmp_path, dtype="float32")
+    int8 = load_model("tiny-llama", data_dir=tmp_path, dtype="float32", quantization="int8")
+    assert isinstance(int8.model.lm_head, Int8Linear)
+    prompt = full.tokenizer.encode("The sluice gate opens and the water")
+    cfg = EngineConfig(num_kv_blocks=16, block_size=16)
+    hidden_full = run_greedy(ModelRunner(full.model, cfg), [prompt], 1)
+    hidden_int8 = run_greedy(ModelRunner(int8.model, cfg), [prompt], 1)
+    assert len(hidden_int8[0]) == len(hidden_full[0]) == 1
+    ids = torch.tensor(prompt)
+    with torch.inference_mode():
+        e_full = full.model.embed_tokens(ids)
+        e_int8 = int8.model.embed_tokens(ids)
+    assert torch.equal(e_full, e_int8)  # embeddings stay full precision
