@@ -1,0 +1,121 @@
+"""The usage ledger: one row per (request_id, attempt), priced at write, idempotent.
+
+`UsageLedger.record` inserts a batch of usage records in one transaction with
+`INSERT … ON CONFLICT (request_id, attempt) DO NOTHING` (PostgreSQL and SQLite alike),
+so a replayed or redelivered record changes nothing. The price is read in the same
+transaction. A model missing from the price book is recorded with cost 0 and
+`priced = false` (never dropped: the tokens are still billed facts; reports count them).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from billing.db import Database
+from billing.models import UsageEntry, utcnow
+from billing.prices import Price, load_prices
+from bus.messages import UsageRecord
+from bus.topics import Lane
+
+logger = logging.getLogger(__name__)
+
+
+def is_batch(usage: UsageRecord) -> bool:
+    return usage.lane == Lane.BATCH or usage.batch_id is not None
+
+
+def usage_day(finished_ms: int) -> dt.date:
+    return dt.datetime.fromtimestamp(finished_ms / 1000, dt.UTC).date()
+
+
+def ledger_row(usage: UsageRecord, price: Price | None) -> dict[str, Any]:
+    cost = (
+        price.cost_picos(
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            batch=is_batch(usage),
+        )
+        if price is not None
+        else 0
+    )
+    t = usage.timings
+    return {
+        "request_id": usage.request_id,
+        "attempt": usage.attempt,
+        "tenant_id": usage.tenant_id,
+        "key_id": usage.key_id,
+        "model": usage.model,
+        "lane": usage.lane.value,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cost_picos": cost,
+        "priced": price is not None,
+        "finish_reason": usage.finish_reason,
+        "queued_ms": t.queued_ms,
+        "scheduled_ms": t.scheduled_ms,
+        "first_token_ms": t.first_token_ms,
+        "finished_ms": t.finished_ms,
+        "usage_day": usage_day(t.finished_ms),
+        "batch_id": usage.batch_id,
+        "recorded_at": utcnow(),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodSpend:
+    """A tenant's billing period (a calendar month, UTC), computed from the ledger."""
+
+    tenant_id: str
+    month: str  # YYYY-MM
+    requests: int
+    cost_picos: int
+
+
+class UsageLedger:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def record(self, usages: Sequence[UsageRecord]) -> int:
+        """Insert in one committed transaction; returns how many rows were new."""
+        if not usages:
+            return 0
+        with self.db.session() as session:
+            prices = load_prices(session)
+            rows = [ledger_row(u, prices.get(u.model)) for u in usages]
+            for usage in usages:
+                if usage.model not in prices:
+                    logger.warning(
+                        "no price for model=%s request_id=%s tenant_id=%s: recorded unpriced",
+                        usage.model,
+                        usage.request_id,
+                        usage.tenant_id,
+                    )
+            insert = postgresql.insert if self.db.dialect == "postgresql" else sqlite.insert
+            statement = (
+                insert(UsageEntry)
+                .values(rows)
+                .on_conflict_do_nothing(index_elements=["request_id", "attempt"])
+            )
+            result = session.execute(statement)
+            return max(int(getattr(result, "rowcount", 0) or 0), 0)
+
+    def period_spend(self, tenant_id: str, month: dt.date) -> PeriodSpend:
+        """Spend in the calendar month containing `month` (one index range scan)."""
+        start = month.replace(day=1)
+        end = (start + dt.timedelta(days=32)).replace(day=1)
+        with self.db.session() as session:
+            count, picos = session.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(UsageEntry.cost_picos), 0))
+                .where(UsageEntry.tenant_id == tenant_id)
+                .where(UsageEntry.usage_day >= start, UsageEntry.usage_day < end)
+            ).one()
+        return PeriodSpend(tenant_id, start.strftime("%Y-%m"), int(count), int(picos))
