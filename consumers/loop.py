@@ -12,11 +12,12 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
-from bus.base import Consumer, EventBus, Record, TopicPartition
+from bus.base import Consumer, Delivered, EventBus, Record, TopicPartition
 from bus.codec import decode
 from bus.errors import BusError, CommitFailed, DecodeError
 from bus.messages import Message
@@ -159,15 +160,8 @@ class ConsumeLoop:
                 delay = min(delay * 2, self.config.backoff_max_s)
 
     def _dead_letter(self, record: Record, reason: str, attempts: int) -> None:
-        headers = [
-            *record.headers,
-            ("sluice-dlq-reason", reason[:1000].encode()),
-            ("sluice-dlq-source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
-            ("sluice-dlq-attempts", str(attempts).encode()),
-        ]
-        topic = dead_letter_topic(record.topic)
         # Wait for the broker's confirmation: the offset is committed right after.
-        self.bus.publish(topic, record.value, key=record.key, headers=headers).result(timeout=30)
+        publish_dead_letter(self.bus, record, reason, attempts).result(timeout=30)
         self.stats.dead_lettered += 1
         self.stats.last_errors = [*self.stats.last_errors[-9:], reason]
         logger.error(
@@ -192,6 +186,21 @@ class ConsumeLoop:
         except BusError as exc:
             self.stats.commit_failures += 1
             logger.warning("commit failed group=%s: %s", self.group_id, exc)
+
+
+def publish_dead_letter(
+    bus: EventBus, record: Record, reason: str, attempts: int
+) -> Future[Delivered]:
+    """Copy `record` to its topic's dead-letter topic, with why and where it came from."""
+    headers = [
+        *record.headers,
+        ("sluice-dlq-reason", reason[:1000].encode()),
+        ("sluice-dlq-source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
+        ("sluice-dlq-attempts", str(attempts).encode()),
+    ]
+    return bus.publish(
+        dead_letter_topic(record.topic), record.value, key=record.key, headers=headers
+    )
 
 
 class _Abandon(Exception):

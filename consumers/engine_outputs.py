@@ -1,0 +1,245 @@
+"""What the engine worker holds per request, and how one engine step becomes messages.
+
+Sits between the engine's `deltas()` stream and the bus: one engine step (a list of
+`EngineDelta`s) turns into one `TokenDeltaBatch` per reply target (not one message per
+token or per request), one `UsageRecord` per finished attempt (keyed by tenant), one
+`TelemetryRecord` per finished attempt, and the `StepProgress` entries the progress
+store records once the publishes are confirmed.
+
+Offsets are absolute across attempts: a resumed attempt starts at the tokens and text
+that earlier attempts published, so the gateway can drop what it already delivered.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from bus.base import TopicPartition
+from bus.messages import (
+    GenerateRequest,
+    TelemetryRecord,
+    Timings,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    UsageRecord,
+)
+from consumers.progress import AttemptStart, StepProgress
+from engine.backends.base import EngineDelta
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ItemState(enum.Enum):
+    BUFFERED = "buffered"  # in the local admission buffer
+    STARTING = "starting"  # attempt being begun in the progress store
+    RUNNING = "running"  # submitted to the engine
+    FINISHING = "finishing"  # terminal delta built; publishes not yet confirmed
+
+
+@dataclass(slots=True, eq=False)
+class WorkItem:
+    """One request this worker holds, from the poll until its offset may be committed."""
+
+    request: GenerateRequest
+    tp: TopicPartition
+    offset: int
+    deadline: float | None  # time.monotonic() seconds
+    received_ms: int
+    state: ItemState = ItemState.BUFFERED
+    attempt: int = 0
+    resumed_token_ids: list[int] = field(default_factory=list)
+    token_offset: int = 0  # absolute position of the next token
+    text_offset: int = 0  # absolute position of the next character
+    seq_no: int = 0
+    num_generated: int = 0  # tokens this attempt generated
+    scheduled_ms: int | None = None
+    first_token_ms: int | None = None
+    pending_reason: str | None = None  # a cancel/deadline that arrived while STARTING
+    silent: bool = False  # lost or fenced: publish usage only, never deltas or progress
+    in_engine: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def tenant_id(self) -> str:
+        return self.request.tenant_id
+
+    @property
+    def lane(self) -> str:
+        return self.request.lane.value
+
+    @property
+    def cost(self) -> int:
+        return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+
+    def begin(self, start: AttemptStart) -> None:
+        self.attempt = start.attempt
+        self.resumed_token_ids = list(start.token_ids)
+        self.token_offset = len(start.token_ids)
+        self.text_offset = start.text_len
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The messages and progress of one step, grouped for publishing."""
+
+    batches: dict[str, list[TokenDelta]] = field(default_factory=dict)  # reply_to → deltas
+    usage: list[UsageRecord] = field(default_factory=list)
+    telemetry: list[TelemetryRecord] = field(default_factory=list)
+    progress: list[StepProgress] = field(default_factory=list)
+    finished: list[WorkItem] = field(default_factory=list)
+
+
+def build_step(
+    pairs: list[tuple[WorkItem, EngineDelta]], worker_id: str, model_name: str | None = None
+) -> StepOutput:
+    """Advance each item by its delta and collect what must be published."""
+    out = StepOutput()
+    for item, delta in pairs:
+        token_offset, text_offset = item.token_offset, item.text_offset
+        _advance(item, delta)
+        if delta.finished:
+            item.state = ItemState.FINISHING
+            out.finished.append(item)
+            timings = _timings(item)
+            out.usage.append(usage_record(item, delta, timings))
+            out.telemetry.append(_telemetry(item, delta, timings, worker_id))
+        if item.silent:
+            continue
+        if delta.token_ids or delta.text or delta.finished:
+            token_delta = _token_delta(item, delta, token_offset, text_offset)
+            out.batches.setdefault(item.request.reply_to, []).append(token_delta)
+            item.seq_no += 1
+        out.progress.append(
+            StepProgress(
+                item.request_id,
+                item.attempt,
+                token_offset,
+                list(delta.token_ids),
+                item.text_offset,
+                delta.finished,
+            )
+        )
+    return out
+
+
+def _advance(item: WorkItem, delta: EngineDelta) -> None:
+    if delta.token_ids and item.first_token_ms is None:
+        item.first_token_ms = now_ms()
+    item.token_offset += len(delta.token_ids)
+    item.text_offset += len(delta.text)
+    item.num_generated += len(delta.token_ids)
+
+
+def _token_delta(
+    item: WorkItem, delta: EngineDelta, token_offset: int, text_offset: int
+) -> TokenDelta:
+    usage = None
+    if delta.finished:
+        usage = Usage(
+            prompt_tokens=len(item.request.prompt_token_ids),
+            cached_tokens=_cached(item, delta),
+            completion_tokens=item.token_offset,  # the whole completion, all attempts
+        )
+    logprobs = None
+    if delta.logprobs is not None:
+        logprobs = [
+            TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=[TopLogprob(token_id=t, logprob=p) for t, p in lp.top_logprobs],
+            )
+            for lp in delta.logprobs
+        ]
+    return TokenDelta(
+        request_id=item.request_id,
+        attempt=item.attempt,
+        seq_no=item.seq_no,
+        token_offset=token_offset,
+        text_offset=text_offset,
+        token_ids=list(delta.token_ids),
+        text=delta.text,
+        logprobs=logprobs,
+        finish_reason=delta.finish_reason,
+        error=_client_error(delta),
+        usage=usage,
+    )
+
+
+def _client_error(delta: EngineDelta) -> str | None:
+    if delta.finish_reason != "error":
+        return None
+    return delta.error or "the engine failed to generate this request"
+
+
+def _cached(item: WorkItem, delta: EngineDelta) -> int:
+    return min(delta.num_cached_tokens or 0, len(item.request.prompt_token_ids))
+
+
+def _timings(item: WorkItem) -> Timings:
+    return Timings(
+        queued_ms=item.request.created_ms or item.received_ms,
+        scheduled_ms=item.scheduled_ms,
+        first_token_ms=item.first_token_ms,
+        finished_ms=now_ms(),
+    )
+
+
+def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageRecord:
+    """What this attempt consumed: prompt tokens of the client's prompt when it ran (the
+    resumed tokens re-read as prompt were billed as completion of the earlier attempt),
+    and the tokens this attempt generated (billed = generated, DESIGN.md §5.4)."""
+    request = item.request
+    ran = delta.num_prompt_tokens is not None and delta.num_prompt_tokens > 0
+    prompt_tokens = len(request.prompt_token_ids) if ran else 0
+    completion = delta.num_output_tokens
+    return UsageRecord(
+        request_id=request.request_id,
+        attempt=item.attempt,
+        tenant_id=request.tenant_id,
+        key_id=request.key_id,
+        model=request.model,
+        lane=request.lane,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=min(_cached(item, delta), prompt_tokens),
+        completion_tokens=item.num_generated if completion is None else completion,
+        finish_reason=delta.finish_reason or "abort",
+        timings=timings,
+        batch_id=request.batch_id,
+    )
+
+
+def _telemetry(
+    item: WorkItem, delta: EngineDelta, timings: Timings, worker_id: str
+) -> TelemetryRecord:
+    return TelemetryRecord(
+        request_id=item.request_id,
+        attempt=item.attempt,
+        tenant_id=item.tenant_id,
+        model=item.request.model,
+        lane=item.request.lane,
+        worker_id=worker_id,
+        timings=timings,
+        num_prompt_tokens=delta.num_prompt_tokens or 0,
+        num_output_tokens=item.num_generated,
+    )
+
+
+def unrun_terminal(item: WorkItem, finish_reason: str, error: str | None = None) -> EngineDelta:
+    """A terminal delta for a request answered without running (cancelled, expired...)."""
+    return EngineDelta(
+        item.request_id,
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        error=error,
+        num_prompt_tokens=0,
+        num_cached_tokens=0,
+        num_output_tokens=0,
+    )

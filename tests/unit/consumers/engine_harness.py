@@ -1,0 +1,134 @@
+"""Runs engine workers in threads over a bus and reads what the gateway and billing see."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bus.base import EventBus, TopicSpec
+from bus.codec import decode_as, encode
+from bus.messages import Cancel, GenerateRequest, SamplingSpec, UsageRecord
+from bus.topics import CONTROL_TOPIC, USAGE_TOPIC, Lane, TopicLayout, reply_topic, request_topic
+from consumers.engine_worker import EngineWorker, EngineWorkerConfig
+from consumers.progress import MemoryProgressStore, ProgressStore
+from engine.backends.base import EngineBackend
+from tests.unit.consumers.engine_fakes import FakeEngineBackend, GatewayView
+
+GATEWAY = "gw1"
+
+
+def make_request(
+    request_id: str,
+    *,
+    tenant: str = "t1",
+    lane: Lane = Lane.INTERACTIVE,
+    prompt: list[int] | None = None,
+    max_tokens: int = 8,
+    **fields: Any,
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id,
+        tenant_id=tenant,
+        model="fake",
+        lane=lane,
+        prompt_token_ids=prompt if prompt is not None else [1, 2, 3, 4],
+        sampling=SamplingSpec(temperature=0.0, max_tokens=max_tokens),
+        reply_to=GATEWAY,
+        created_ms=int(time.time() * 1000),
+        **fields,
+    )
+
+
+def create_topics(bus: EventBus, request_partitions: int = 2) -> None:
+    layout = TopicLayout(request_partitions=request_partitions)
+    bus.create_topics([*layout.specs(), TopicSpec(reply_topic(GATEWAY), 1)])
+
+
+class WorkerThread:
+    def __init__(
+        self,
+        bus: EventBus,
+        backend: EngineBackend | None = None,
+        config: EngineWorkerConfig | None = None,
+        progress: ProgressStore | None = None,
+        worker_id: str = "w1",
+    ) -> None:
+        self.backend = backend or FakeEngineBackend()
+        self.worker = EngineWorker(
+            bus,
+            self.backend,
+            config or EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01),
+            progress or MemoryProgressStore(),
+            worker_id,
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"worker-{worker_id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def start(self, ready_timeout_s: float = 10.0) -> WorkerThread:
+        self.thread.start()
+        assert self.worker.wait_ready(ready_timeout_s), "worker got no partitions"
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        assert self.worker.drain(timeout_s), "worker did not stop"
+        self.thread.join(5.0)
+        assert self.error is None, self.error
+
+    def abandon(self) -> None:
+        self.worker.abandon()
+        self.thread.join(10.0)
+
+
+class Client:
+    """Publishes requests and cancels; reads the reply topic and the usage topic."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self.view = GatewayView()
+        self.usage: list[UsageRecord] = []
+        self._replies = bus.consumer("test-gateway", [reply_topic(GATEWAY)])
+        self._usage = bus.consumer("test-billing", [USAGE_TOPIC])
+
+    def send(self, *requests: GenerateRequest) -> None:
+        for request in requests:
+            key = request.tenant_id.encode()
+            self.bus.publish(request_topic(request.lane), encode(request), key=key).result(10)
+
+    def cancel(self, request_id: str | None = None, batch_id: str | None = None) -> None:
+        cancel = Cancel(request_id=request_id, batch_id=batch_id, tenant_id="t1")
+        self.bus.publish(CONTROL_TOPIC, encode(cancel)).result(10)
+
+    def pump(self, timeout_s: float = 0.02) -> None:
+        for record in self._replies.poll(timeout_s, 500):
+            self.view.add_batch(record.value)
+        for record in self._usage.poll(0.0, 500):
+            self.usage.append(decode_as(UsageRecord, record.value))
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out waiting"
+            self.pump()
+
+    def wait_finished(self, request_ids: list[str], timeout_s: float = 10.0) -> None:
+        def done() -> bool:
+            streams = self.view.streams
+            usage_ids = {u.request_id for u in self.usage}
+            return all(
+                rid in streams and streams[rid].finish_reason is not None and rid in usage_ids
+                for rid in request_ids
+            )
+
+        self.wait(done, timeout_s)
+
+    def close(self) -> None:
+        self._replies.close()
+        self._usage.close()
