@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "SLUICE_"
 
@@ -117,3 +117,44 @@ def describe(exc: ValidationError) -> str:
         message = str(error["msg"]).removeprefix("Value error, ")
         lines.append(f"{var}={error.get('input')!r} is invalid: {message}")
     return "\n".join(lines)
+
+
+class GatewaySettings(Settings):
+    """The HTTP gateway (`sluice gateway`, and the gateway half of `sluice serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="accepted bearer keys, comma-separated; empty means open (development)",
+    )
+    gateway_id: str | None = Field(
+        default=None,
+        description="names this instance's reply topic; unset means a random id per start",
+    )
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="deadline when a request sends no x-sluice-timeout-ms"
+    )
+    deadline_grace_s: float = Field(
+        default=5.0, ge=0, description="how long past a deadline to wait for the engine's answer"
+    )
+    publish_timeout_s: float = Field(default=10.0, gt=0)
+    sse_ping_s: float = Field(default=15.0, gt=0)
+    max_n: int = Field(default=8, ge=1, le=128)
+    max_choices: int = Field(default=64, ge=1, le=4096)
+    max_logprobs: int = Field(default=20, ge=0, le=100)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("gateway_id")
+    @classmethod
+    def _gateway_id(cls, value: str | None) -> str | None:
+        if value is not None and not all(c.isalnum() or c in "-_" for c in value):
+            raise ValueError("use letters, digits, '-' and '_' only (it names a Kafka topic)")
+        return value or None

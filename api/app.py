@@ -1,0 +1,79 @@
+"""The gateway's FastAPI app factory: OpenAI-compatible routes over the event bus.
+
+`create_app` wires what the composition root (`sluice/`) built: settings, the bus, the
+served models and the authenticator. The app starts the `GatewayService` (the reply
+consumer) in its lifespan and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.auth import Authenticator, StaticKeyAuthenticator
+from api.deps import Gateway
+from api.errors import install_error_handlers
+from api.middleware import GatewayMiddleware
+from api.prepare import Limits
+from api.routes import chat, completions, health, models, responses
+from api.served import ModelCatalog, ServedModel
+from api.service import GatewayService
+from bus.base import EventBus
+from sluice.settings import GatewaySettings
+
+
+def create_app(
+    settings: GatewaySettings,
+    bus: EventBus,
+    models_: Sequence[ServedModel],
+    authenticator: Authenticator | None = None,
+    *,
+    service: GatewayService | None = None,
+) -> FastAPI:
+    """The gateway app. `authenticator` defaults to the static keys of `settings`.
+
+    `service` may be passed in (tests, embedded mode); by default one is built on `bus`
+    with `settings.gateway_id`. The app owns its lifecycle either way.
+    """
+    service = service or GatewayService(
+        bus,
+        gateway_id=settings.gateway_id,
+        reply_partitions=1,
+        publish_timeout_s=settings.publish_timeout_s,
+        deadline_grace_s=settings.deadline_grace_s,
+    )
+    limits = Limits(
+        request_timeout_s=settings.request_timeout_s,
+        max_n=settings.max_n,
+        max_choices=settings.max_choices,
+        max_logprobs=settings.max_logprobs,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="Sluice",
+        summary="OpenAI-compatible gateway of the Sluice inference pipeline",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.gateway = Gateway(
+        service=service,
+        models=ModelCatalog(models_),
+        limits=limits,
+        sse_ping_s=settings.sse_ping_s,
+    )
+    app.state.authenticator = authenticator or StaticKeyAuthenticator(settings.api_keys)
+    install_error_handlers(app)
+    for module in (health, models, chat, completions, responses):
+        app.include_router(module.router)
+    app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
+    return app

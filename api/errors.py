@@ -1,0 +1,199 @@
+"""The one place that maps errors to HTTP: OpenAI error objects for every failure.
+
+Every error the gateway answers is `{"error": {"message", "type", "param", "code"}}`
+(ecosystem.md §A.4) with the status the OpenAI SDK expects, and `x-request-id`.
+
+APIError                         root; carries status, type, code, param, headers
+├── InvalidRequest               400 invalid_request_error (FastAPI's 422s are reshaped here)
+│   └── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
+├── AuthenticationFailed         401 authentication_error / invalid_api_key
+├── NotFound                     404 invalid_request_error / not_found (unknown route)
+│   └── ModelNotFound            404 invalid_request_error / model_not_found
+├── RequestTooLarge              413 invalid_request_error / request_too_large
+├── EngineFailed                 500 server_error (finish_reason "error")
+├── ServiceUnavailable           503 server_error / bus_unavailable (retryable)
+├── RequestCancelled             503 server_error / request_cancelled (x-should-retry: false)
+└── DeadlineExceeded             504 timeout_error / deadline_exceeded (x-should-retry: false)
+
+A deadline is the caller's own budget (`x-sluice-timeout-ms` or the gateway default), so
+retrying it blindly would only spend it again: 504 says "the upstream ran out of time"
+and `x-should-retry: false` keeps the SDK from its automatic retries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class InvalidRequest(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class RequestTooLarge(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class EngineFailed(APIError):
+    status_code = 500
+    error_type = "server_error"
+    code = "engine_error"
+
+
+class ServiceUnavailable(APIError):
+    status_code = 503
+    error_type = "server_error"
+    code = "bus_unavailable"
+
+
+class RequestCancelled(APIError):
+    status_code = 503
+    error_type = "server_error"
+    code = "request_cancelled"
+
+    def __init__(self, message: str = "the request was cancelled before it finished") -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
+class DeadlineExceeded(APIError):
+    status_code = 504
+    error_type = "timeout_error"
+    code = "deadline_exceeded"
+
+    def __init__(self, message: str = "the request's deadline passed before it finished") -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_for_finish(finish_reason: str, detail: str | None) -> APIError | None:
+    """The error a terminal finish_reason means for the client (None: a normal finish)."""
+    if finish_reason == "deadline":
+        return DeadlineExceeded()
+    if finish_reason == "abort":
+        return RequestCancelled()
+    if finish_reason == "error":
+        return EngineFailed(detail or "the engine failed while generating this request")
+    return None
+
+
+def error_response(exc: APIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(exc.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+
+def _request_id(request: Request) -> str | None:
+    value = getattr(request.state, "request_id", None)
+    return value if isinstance(value, str) else None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line for the first problem, and the dotted parameter it names."""
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through the OpenAI error shape."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc, _request_id(request))
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        code = None if param is None else "invalid_value"
+        return error_response(InvalidRequest(message, param=param, code=code), _request_id(request))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        err: APIError
+        if exc.status_code == 404:
+            err = NotFound(f"no route for {request.method} {request.url.path}")
+        else:
+            err = APIError(str(exc.detail))
+            err.status_code = exc.status_code
+            err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            err.headers = dict(exc.headers or {})
+        return error_response(err, _request_id(request))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error request_id=%s", _request_id(request))
+        return error_response(APIError("internal server error"), _request_id(request))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,189 @@
+"""OpenAI response objects for chat and (legacy) completions: chunks and whole answers.
+
+Shapes follow the SDK's `chat_completion_chunk.py`, `chat_completion.py` and
+`completion.py` (ecosystem.md §A.3): every chunk carries `"usage": null` except the
+`stream_options.include_usage` chunk, whose `choices` is `[]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.generation import ChoiceResult
+from api.served import Tokenizer
+from bus.messages import TokenLogprob
+
+# finish reasons the OpenAI schema knows; the others end in an error before this point
+_OPENAI_FINISH = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else _OPENAI_FINISH.get(reason, "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text, list(text.encode())
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    content = []
+    for lp in logprobs:
+        token, raw = _token(tokenizer, lp.token_id)
+        top = []
+        for alt in lp.top:
+            alt_token, alt_raw = _token(tokenizer, alt.token_id)
+            top.append({"token": alt_token, "logprob": alt.logprob, "bytes": alt_raw})
+        content.append({"token": token, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: list[TokenLogprob], text_offset: int
+) -> dict[str, Any]:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for lp in logprobs:
+        token, _ = _token(tokenizer, lp.token_id)
+        tokens.append(token)
+        token_logprobs.append(lp.logprob)
+        tops.append({_token(tokenizer, a.token_id)[0]: a.logprob for a in lp.top})
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+class ChatFormat:
+    """chat.completion and chat.completion.chunk objects of one call."""
+
+    def __init__(
+        self, call_id: str, model: str, created: int, tier: str, tokenizer: Tokenizer
+    ) -> None:
+        self.id = f"chatcmpl-{call_id}"
+        self.model = model
+        self.created = created
+        self.tier = tier
+        self.tokenizer = tokenizer
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "service_tier": self.tier,
+            "system_fingerprint": None,
+        }
+
+    def chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        want_logprobs: bool = False,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(self.tokenizer, logprobs or [])
+            if want_logprobs and (logprobs or finish is None)
+            else None,
+            "finish_reason": finish_reason(finish),
+        }
+        return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage_obj}
+
+    def completion(
+        self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text, "refusal": None},
+                "logprobs": chat_logprobs(self.tokenizer, r.logprobs) if want_logprobs else None,
+                "finish_reason": finish_reason(r.finish_reason),
+            }
+            for r in results
+        ]
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage_obj}
+
+
+class CompletionFormat:
+    """text_completion objects (whole and streamed) of one call."""
+
+    def __init__(
+        self, call_id: str, model: str, created: int, tier: str, tokenizer: Tokenizer
+    ) -> None:
+        self.id = f"cmpl-{call_id}"
+        self.model = model
+        self.created = created
+        self.tier = tier
+        self.tokenizer = tokenizer
+
+    def _head(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "service_tier": self.tier,
+            "system_fingerprint": None,
+        }
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        logprobs: list[TokenLogprob] | None,
+        text_offset: int,
+        want_logprobs: bool,
+    ) -> dict[str, Any]:
+        lp = (
+            completion_logprobs(self.tokenizer, logprobs or [], text_offset)
+            if want_logprobs
+            else None
+        )
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(finish),
+        }
+        return {**self._head(), "choices": [choice], "usage": None}
+
+    def usage_chunk(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(), "choices": [], "usage": usage_obj}
+
+    def completion(
+        self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": r.index,
+                "text": r.text,
+                "logprobs": completion_logprobs(self.tokenizer, r.logprobs, 0)
+                if want_logprobs
+                else None,
+                "finish_reason": finish_reason(r.finish_reason),
+            }
+            for r in results
+        ]
+        return {**self._head(), "choices": choices, "usage": usage_obj}

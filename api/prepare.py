@@ -1,0 +1,223 @@
+"""Validated request bodies → `GenerateRequest`s: tokenize, check limits, pick the lane.
+
+Everything the routes share before a request goes on the bus: chat templates and
+tokenization (at the gateway, DESIGN.md §4), the context-length check, sampling
+parameters, the `service_tier` → lane mapping, and the deadline.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from api.auth import Principal
+from api.errors import ContextLengthExceeded, InvalidRequest
+from api.served import ServedModel
+from bus.messages import GenerateRequest, SamplingSpec
+from bus.topics import Lane
+
+TIMEOUT_HEADER = "x-sluice-timeout-ms"
+
+# service_tier → (lane, the tier echoed back); "auto" is "default" (as at OpenAI)
+_TIERS: dict[str | None, tuple[Lane, str]] = {
+    None: (Lane.STANDARD, "default"),
+    "auto": (Lane.STANDARD, "default"),
+    "default": (Lane.STANDARD, "default"),
+    "scale": (Lane.STANDARD, "default"),
+    "priority": (Lane.INTERACTIVE, "priority"),
+    "fast": (Lane.INTERACTIVE, "priority"),
+    "flex": (Lane.BATCH, "flex"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The gateway's request limits (from `GatewaySettings`)."""
+
+    request_timeout_s: float = 600.0
+    max_n: int = 8
+    max_choices: int = 64
+    max_logprobs: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One HTTP/WS call, ready for `GatewayService.submit`."""
+
+    call_id: str  # hex; also the request id of the first sub-request
+    requests: list[GenerateRequest]
+    prompt_lengths: list[int]  # one per distinct prompt (usage counts each once)
+    tier: str
+    deadline_ms: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_lengths)
+
+
+def new_call_id() -> str:
+    """Hex id of one call; its x-request-id is `req_<id>`, its first sub-request's too."""
+    return uuid.uuid4().hex
+
+
+def lane_for(service_tier: str | None) -> tuple[Lane, str]:
+    return _TIERS[service_tier]
+
+
+def deadline_ms_for(headers: Any, limits: Limits, now_ms: int) -> int:
+    raw = headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return now_ms + int(limits.request_timeout_s * 1000)
+    try:
+        timeout_ms = int(raw)
+    except ValueError:
+        timeout_ms = 0
+    if timeout_ms <= 0:
+        raise InvalidRequest(
+            f"{TIMEOUT_HEADER} must be a positive integer of milliseconds, got {raw!r}",
+            param=TIMEOUT_HEADER,
+            code="invalid_value",
+        )
+    return now_ms + timeout_ms
+
+
+def message_text(content: str | list[dict[str, Any]] | None, param: str) -> str:
+    """Chat/Responses content as text; only text parts are supported."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        if part.get("type") not in {"text", "input_text", "output_text"} or not isinstance(
+            part.get("text"), str
+        ):
+            raise InvalidRequest(
+                f"only text content parts are supported, got {part.get('type')!r}",
+                param=f"{param}[{i}]",
+                code="unsupported_content",
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def render_chat(model: ServedModel, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        rendered = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+    except ValueError as exc:  # engine TokenizerError is a ValueError
+        raise InvalidRequest(f"the chat template failed: {exc}", param="messages") from exc
+    if isinstance(rendered, str):
+        return model.tokenizer.encode(rendered, add_special_tokens=False)
+    return list(rendered)
+
+
+def encode_prompts(model: ServedModel, prompt: Any) -> list[list[int]]:
+    """Completions' `prompt`: text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [model.tokenizer.encode(prompt)]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [model.tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    if not prompt_ids:
+        raise InvalidRequest("the prompt has no tokens", param=param, code="invalid_value")
+    total = len(prompt_ids) + max_tokens
+    if total > model.max_model_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {model.max_model_len} tokens; "
+            f"the request has {len(prompt_ids)} prompt tokens and asks for up to "
+            f"{max_tokens} more ({total} in all): shorten the prompt or lower max_tokens",
+            param=param,
+        )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4:
+        raise InvalidRequest("stop takes at most 4 sequences", param="stop", code="invalid_value")
+    return [s for s in stops if s]
+
+
+def refuse(param: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {what}", param=param, code="unsupported_parameter")
+
+
+def check_common(body: Any, limits: Limits) -> None:
+    """Parameters shared by chat and completions that Sluice cannot honour."""
+    if body.n > limits.max_n:
+        raise InvalidRequest(f"n must be at most {limits.max_n}", param="n", code="invalid_value")
+    if body.frequency_penalty or body.presence_penalty:
+        param = "frequency_penalty" if body.frequency_penalty else "presence_penalty"
+        raise refuse(param, "penalties are not supported by this server; use 0")
+    if body.logit_bias:
+        raise refuse("logit_bias", "logit_bias is not supported by this server")
+
+
+def check_logprobs(count: int | None, limits: Limits, param: str) -> None:
+    if count is not None and count > limits.max_logprobs:
+        raise InvalidRequest(
+            f"{param} must be at most {limits.max_logprobs}", param=param, code="invalid_value"
+        )
+
+
+def build_call(
+    *,
+    principal: Principal,
+    model: ServedModel,
+    prompts: Sequence[list[int]],
+    n: int,
+    sampling: SamplingSpec,
+    service_tier: str | None,
+    deadline_ms: int,
+    reply_to: str,
+    limits: Limits,
+    call_id: str | None = None,
+) -> Call:
+    """One GenerateRequest per (prompt, choice); seeds differ per choice so n > 1 varies."""
+    if len(prompts) * n > limits.max_choices:
+        raise InvalidRequest(
+            f"at most {limits.max_choices} choices per request (prompts x n)",
+            param="n",
+            code="invalid_value",
+        )
+    lane, tier = lane_for(service_tier)
+    call_id = call_id or uuid.uuid4().hex
+    now_ms = int(time.time() * 1000)
+    requests = []
+    for p, prompt_ids in enumerate(prompts):
+        for c in range(n):
+            i = p * n + c
+            spec = sampling
+            if sampling.seed is not None and c > 0:
+                spec = sampling.model_copy(update={"seed": sampling.seed + c})
+            requests.append(
+                GenerateRequest(
+                    request_id=f"req_{call_id}" if i == 0 else f"req_{call_id}-{i}",
+                    tenant_id=principal.tenant_id,
+                    key_id=principal.key_id,
+                    model=model.name,
+                    lane=lane,
+                    prompt_token_ids=prompt_ids,
+                    sampling=spec,
+                    deadline_ms=deadline_ms,
+                    reply_to=reply_to,
+                    created_ms=now_ms,
+                    cache_salt=principal.tenant_id,
+                )
+            )
+    return Call(
+        call_id=call_id,
+        requests=requests,
+        prompt_lengths=[len(p) for p in prompts],
+        tier=tier,
+        deadline_ms=deadline_ms,
+    )

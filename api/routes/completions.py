@@ -1,0 +1,139 @@
+"""`POST /v1/completions` (legacy): prompt as text or token ids, or a list of either."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from api import prepare
+from api.auth import Principal, require_principal
+from api.deps import Gateway, call_id, gateway
+from api.errors import error_for_finish
+from api.formatting import CompletionFormat, usage
+from api.generation import Generation
+from api.prepare import Call
+from api.schemas import CompletionRequest
+from api.served import ServedModel
+from api.streaming import DONE, PING, SSEResponse, pump, sse_data, until_disconnect
+from bus.messages import SamplingSpec
+
+router = APIRouter(prefix="/v1", tags=["completions"])
+
+
+def build(
+    body: CompletionRequest, request: Request, principal: Principal, gw: Gateway
+) -> tuple[Call, ServedModel]:
+    model = gw.models.get(body.model)
+    prepare.check_common(body, gw.limits)
+    if body.echo:
+        raise prepare.refuse("echo", "echo is not supported by this server")
+    if body.suffix:
+        raise prepare.refuse("suffix", "suffix is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise prepare.refuse("best_of", "best_of other than n is not supported")
+    prepare.check_logprobs(body.logprobs, gw.limits, "logprobs")
+    prompts = prepare.encode_prompts(model, body.prompt)
+    max_tokens = body.max_tokens or 16
+    for prompt_ids in prompts:
+        prepare.check_prompt(model, prompt_ids, max_tokens, "prompt")
+    sampling = SamplingSpec(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=prepare.stop_list(body.stop),
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+    )
+    call = prepare.build_call(
+        principal=principal,
+        model=model,
+        prompts=prompts,
+        n=body.n,
+        sampling=sampling,
+        service_tier=body.service_tier,
+        deadline_ms=prepare.deadline_ms_for(request.headers, gw.limits, int(time.time() * 1000)),
+        reply_to=gw.service.gateway_id,
+        limits=gw.limits,
+        call_id=call_id(request),
+    )
+    return call, model
+
+
+@router.post("/completions", response_model=None)
+async def create_completion(
+    body: CompletionRequest,
+    request: Request,
+    principal: Principal = Depends(require_principal),
+    gw: Gateway = Depends(gateway),
+) -> Response | dict[str, Any]:
+    call, model = build(body, request, principal, gw)
+    generation = await gw.service.submit(call.requests, call.deadline_ms)
+    fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(
+            _stream(generation, fmt, call, want_logprobs, include_usage, gw.sse_ping_s)
+        )
+    results = await until_disconnect(request, generation, generation.collect())
+    if results is None:
+        return Response(status_code=499)
+    for result in results:
+        error = error_for_finish(result.finish_reason or "error", result.error)
+        if error is not None:
+            raise error
+    usage_obj = usage(
+        call.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
+    )
+    return JSONResponse(fmt.completion(results, usage_obj, want_logprobs))
+
+
+async def _stream(
+    generation: Generation,
+    fmt: CompletionFormat,
+    call: Call,
+    want_logprobs: bool,
+    include_usage: bool,
+    ping_s: float,
+) -> AsyncIterator[str]:
+    text_offsets = [0] * len(generation.tracks)
+    try:
+        async for ev in pump(generation, ping_s):
+            if ev is None:
+                yield PING
+                continue
+            if ev.finish_reason is not None:
+                error = error_for_finish(ev.finish_reason, ev.error)
+                if error is not None:
+                    yield sse_data(error.body())
+                    yield DONE
+                    return
+            if ev.text or ev.finish_reason is not None or (want_logprobs and ev.logprobs):
+                chunk = fmt.chunk(
+                    ev.index,
+                    ev.text,
+                    ev.finish_reason,
+                    ev.logprobs,
+                    text_offsets[ev.index],
+                    want_logprobs,
+                )
+                text_offsets[ev.index] += len(ev.text)
+                yield sse_data(chunk)
+        if include_usage:
+            usage_obj = usage(
+                call.num_prompt_tokens,
+                generation.num_completion_tokens,
+                generation.num_cached_tokens,
+            )
+            yield sse_data(fmt.usage_chunk(usage_obj))
+        yield DONE
+    finally:
+        generation.abandon()

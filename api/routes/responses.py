@@ -1,0 +1,151 @@
+"""`POST /v1/responses` (text in, text out) and its WebSocket mode on the same path.
+
+The WebSocket mode is OpenAI's (ecosystem.md §A.6): `response.create` events in, the
+same events as the SSE stream out, so the official SDK's `client.responses.connect()`
+works unmodified. Closing the socket cancels the responses still running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, WebSocket
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from api import prepare
+from api.auth import Principal, authenticate, require_principal
+from api.deps import Gateway, call_id, gateway
+from api.errors import APIError, error_for_finish, error_response
+from api.prepare import Call
+from api.responses_format import ResponsesFormat
+from api.schemas import ResponsesRequest
+from api.streaming import PING, SSEResponse, WsSession, sse_event, until_disconnect, ws_error
+from bus.messages import SamplingSpec
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["responses"])
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        return messages
+    for i, item in enumerate(body.input):
+        content = item.content
+        if not isinstance(content, str):
+            content = prepare.message_text([p.model_dump() for p in content], f"input[{i}]")
+        role = "system" if item.role == "developer" else item.role
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def build(
+    body: ResponsesRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
+) -> Call:
+    model = gw.models.get(body.model)
+    if body.previous_response_id:
+        raise prepare.refuse("previous_response_id", "responses are not stored by this server")
+    if body.tools:
+        raise prepare.refuse("tools", "tool calling is not supported by this server")
+    if body.background:
+        raise prepare.refuse("background", "background responses are not supported")
+    fmt = ((body.text or {}).get("format") or {}).get("type", "text")
+    if fmt != "text":
+        raise prepare.refuse("text.format", f"text format {fmt!r} is not supported")
+    prepare.check_logprobs(body.top_logprobs, gw.limits, "top_logprobs")
+    prompt_ids = prepare.render_chat(model, _messages(body))
+    max_tokens = body.max_output_tokens or max(1, model.max_model_len - len(prompt_ids))
+    prepare.check_prompt(model, prompt_ids, max_tokens, "input")
+    sampling = SamplingSpec(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        max_tokens=max_tokens,
+    )
+    return prepare.build_call(
+        principal=principal,
+        model=model,
+        prompts=[prompt_ids],
+        n=1,
+        sampling=sampling,
+        service_tier=body.service_tier,
+        deadline_ms=prepare.deadline_ms_for(headers, gw.limits, int(time.time() * 1000)),
+        reply_to=gw.service.gateway_id,
+        limits=gw.limits,
+        call_id=cid,
+    )
+
+
+@router.post("/responses", response_model=None)
+async def create_response(
+    body: ResponsesRequest,
+    request: Request,
+    principal: Principal = Depends(require_principal),
+    gw: Gateway = Depends(gateway),
+) -> Response | dict[str, Any]:
+    call = build(body, request.headers, principal, gw, call_id(request))
+    generation = await gw.service.submit(call.requests, call.deadline_ms)
+    fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
+    if body.stream:
+        return SSEResponse(_sse(fmt.events(generation, gw.sse_ping_s), generation.abandon))
+    results = await until_disconnect(request, generation, generation.collect())
+    if results is None:
+        return Response(status_code=499)
+    result = results[0]
+    error = error_for_finish(result.finish_reason or "error", result.error)
+    if error is not None:
+        raise error
+    final = fmt.final(result, generation.num_completion_tokens, generation.num_cached_tokens)
+    return JSONResponse(final)
+
+
+async def _sse(events: AsyncIterator[dict[str, Any] | None], abandon: Any) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield PING if event is None else sse_event(event)
+    finally:
+        abandon()
+
+
+@router.websocket("/responses")
+async def responses_websocket(websocket: WebSocket) -> None:
+    gw = gateway(websocket)
+    try:
+        principal = await authenticate(websocket)
+    except APIError as exc:
+        await websocket.send_denial_response(
+            error_response(exc, websocket.scope["state"].get("request_id"))
+        )
+        return
+    await websocket.accept()
+
+    async def source(event: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        payload = {k: v for k, v in event.items() if k not in {"type", "stream"}}
+        try:
+            body = ResponsesRequest.model_validate(payload)
+            call = build(body, websocket.headers, principal, gw, uuid.uuid4().hex)
+            generation = await gw.service.submit(call.requests, call.deadline_ms)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            yield ws_error(400, f"{param}: {first['msg']}", "invalid_value", param)
+            return
+        except APIError as exc:
+            yield ws_error(exc.status_code, exc.message, exc.code, exc.param)
+            return
+        fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
+        try:
+            async for out in fmt.events(generation, gw.sse_ping_s):
+                if out is not None:
+                    yield out
+        finally:
+            generation.abandon("websocket closed")
+
+    await WsSession(websocket, source).run()

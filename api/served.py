@@ -1,0 +1,61 @@
+"""What the gateway serves: models with their tokenizers, injected by the composition root.
+
+The gateway tokenizes and renders chat templates itself (DESIGN.md §4: prompt token ids
+travel on the bus), through the `Tokenizer` protocol; `engine.tokenizer.Tokenizer` is
+the real one, passed in from `sluice/` because `api` never imports `engine`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from api.errors import ModelNotFound
+
+
+class Tokenizer(Protocol):
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str | list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One entry of `GET /v1/models`, and what validation needs to know about it."""
+
+    name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sluice"
+
+
+class ModelCatalog:
+    """Served models by name."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        self._models = {m.name: m for m in models}
+
+    def __iter__(self) -> Any:
+        return iter(self._models.values())
+
+    def get(self, name: str) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFound(
+                f"the model '{name}' does not exist; GET /v1/models lists the served ones",
+                param="model",
+            )
+        return model

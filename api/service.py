@@ -1,0 +1,233 @@
+"""`GatewayService`: publishes GenerateRequests and routes the engine's deltas back.
+
+The gateway's half of the bus (DESIGN.md §1): a request is published to its lane topic,
+keyed by tenant, with the trace context in the headers; the engine workers answer on
+this instance's own reply topic, which one thread polls. That thread hands each batch to
+the event loop (`call_soon_threadsafe`), where the per-request bookkeeping lives, so it
+needs no lock:
+
+- fencing: a delta of a lower attempt than the highest seen is dropped;
+- duplicates: a (attempt, seq_no) at or below the last one taken is dropped;
+- dedupe across a failover: token_offset/text_offset are absolute positions in the
+  completion, so the part of a delta before what the client already has is cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from api.errors import ServiceUnavailable
+from api.generation import Generation, Track
+from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
+from bus.codec import decode_as, encode
+from bus.errors import BusError
+from bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch
+from bus.topics import CONTROL_TOPIC, reply_topic, request_topic
+from tracing.propagation import inject_headers
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayService:
+    """Owns the reply consumer and the live requests of one gateway instance."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        *,
+        gateway_id: str | None = None,
+        reply_partitions: int = 1,
+        publish_timeout_s: float = 10.0,
+        poll_timeout_s: float = 0.1,
+        deadline_grace_s: float = 5.0,
+    ) -> None:
+        self.bus = bus
+        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.reply_topic = reply_topic(self.gateway_id)
+        self.deadline_grace_s = deadline_grace_s
+        self._reply_partitions = reply_partitions
+        self._publish_timeout_s = publish_timeout_s
+        self._poll_timeout_s = poll_timeout_s
+        self._tracks: dict[str, tuple[Track, Generation]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._assigned = threading.Event()
+        self._ready = threading.Event()
+        self._last_poll_ok = 0.0
+        self._poll_error: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Create the reply topic, start the consumer thread, wait until it listens."""
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(
+            self.bus.create_topics, [TopicSpec(self.reply_topic, self._reply_partitions)]
+        )
+        self._stopping.clear()
+        self._thread = threading.Thread(
+            target=self._run, name=f"reply-consumer-{self.gateway_id}", daemon=True
+        )
+        self._thread.start()
+        ready = await asyncio.to_thread(self._ready.wait, timeout_s)
+        if not ready:
+            logger.warning("reply consumer not assigned after %.0fs", timeout_s)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
+        for track, generation in list(self._tracks.values()):
+            generation.fail_track(track, "error", "the gateway is shutting down")
+        self._tracks.clear()
+
+    @property
+    def ready(self) -> bool:
+        """Listening on the reply topic, and the last poll succeeded recently."""
+        alive = self._thread is not None and self._thread.is_alive()
+        recent = time.monotonic() - self._last_poll_ok < max(5.0, 20 * self._poll_timeout_s)
+        return alive and self._ready.is_set() and recent
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._tracks)
+
+    # -- requests -------------------------------------------------------------------
+    async def submit(
+        self, requests: Sequence[GenerateRequest], deadline_ms: int | None
+    ) -> Generation:
+        """Publish the sub-requests of one call (n choices / several prompts).
+
+        Tracks are registered before publishing so no early delta is missed; when a
+        publish fails, the ones already sent are cancelled and 503 is raised.
+        """
+        tracks = [Track(index=i, request_id=r.request_id) for i, r in enumerate(requests)]
+        tenant_id = requests[0].tenant_id
+        wait_until = None
+        if deadline_ms is not None:
+            wait_until = time.monotonic() + deadline_ms / 1000 - time.time() + self.deadline_grace_s
+        generation = Generation(tracks, tenant_id=tenant_id, wait_until=wait_until, service=self)
+        for track in tracks:
+            self._tracks[track.request_id] = (track, generation)
+        headers = inject_headers()
+        try:
+            futures = [
+                self.bus.publish(
+                    request_topic(r.lane), encode(r), key=r.tenant_id.encode(), headers=headers
+                )
+                for r in requests
+            ]
+            for future in futures:
+                await asyncio.wait_for(asyncio.wrap_future(future), self._publish_timeout_s)
+        except (BusError, TimeoutError) as exc:
+            logger.warning(
+                "publish failed request_id=%s tenant_id=%s: %s",
+                requests[0].request_id,
+                tenant_id,
+                exc,
+            )
+            self.cancel(generation, reason="publish failed")
+            raise ServiceUnavailable("the request queue is unavailable; retry shortly") from exc
+        return generation
+
+    def cancel(self, generation: Generation, reason: str = "client disconnected") -> None:
+        """Publish a Cancel for every unfinished sub-request and forget them."""
+        for track in generation.tracks:
+            if track.done:
+                continue
+            track.done = True
+            self._tracks.pop(track.request_id, None)
+            message = Cancel(
+                request_id=track.request_id, tenant_id=generation.tenant_id, reason=reason
+            )
+            try:
+                self.bus.publish(
+                    CONTROL_TOPIC,
+                    encode(message),
+                    key=generation.tenant_id.encode(),
+                    headers=inject_headers(),
+                )
+            except BusError as exc:  # the engine's deadline still bounds the waste
+                logger.warning("cancel not published request_id=%s: %s", track.request_id, exc)
+            logger.info("cancelled request_id=%s reason=%s", track.request_id, reason)
+
+    def forget(self, track: Track) -> None:
+        self._tracks.pop(track.request_id, None)
+
+    # -- the reply consumer (its own thread) ------------------------------------------
+    def _on_assign(self, partitions: set[TopicPartition]) -> None:
+        self._assigned.set()
+
+    def _run(self) -> None:
+        consumer: Consumer | None = None
+        while not self._stopping.is_set():
+            try:
+                if consumer is None:
+                    group = f"gateway-{self.gateway_id}-{uuid.uuid4().hex[:8]}"
+                    consumer = self.bus.consumer(
+                        group, [self.reply_topic], offset_reset="latest", on_assign=self._on_assign
+                    )
+                records = consumer.poll(self._poll_timeout_s)
+                self._last_poll_ok = time.monotonic()
+                self._poll_error = None
+                if self._assigned.is_set():
+                    # positions resolve ("latest") in the poll that follows the assignment
+                    self._ready.set()
+            except BusError as exc:
+                self._poll_error = str(exc)
+                logger.warning("reply consumer poll failed: %s", exc)
+                self._stopping.wait(1.0)
+                continue
+            batches = []
+            for record in records:
+                try:
+                    batches.append(decode_as(TokenDeltaBatch, record.value))
+                except BusError as exc:
+                    logger.warning("undecodable reply at offset %s: %s", record.offset, exc)
+            if batches:
+                self._hand_over(batches)
+        if consumer is not None:
+            try:
+                consumer.close()
+            except BusError as exc:
+                logger.warning("reply consumer close failed: %s", exc)
+
+    def _hand_over(self, batches: list[TokenDeltaBatch]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed since the check
+            loop.call_soon_threadsafe(self._route, batches)
+
+    # -- on the event loop -------------------------------------------------------------
+    def _route(self, batches: list[TokenDeltaBatch]) -> None:
+        for batch in batches:
+            for delta in batch.deltas:
+                entry = self._tracks.get(delta.request_id)
+                if entry is not None:
+                    self._accept(entry[0], entry[1], delta)
+
+    def _accept(self, track: Track, generation: Generation, delta: TokenDelta) -> None:
+        if delta.attempt < track.attempt:
+            logger.info(
+                "fenced delta request_id=%s attempt=%s < %s",
+                delta.request_id,
+                delta.attempt,
+                track.attempt,
+            )
+            return
+        if delta.attempt > track.attempt:
+            track.attempt, track.last_seq_no = delta.attempt, -1
+        elif delta.seq_no <= track.last_seq_no:
+            return  # redelivered
+        track.last_seq_no = delta.seq_no
+        generation.take(track, delta)
+        if track.done:
+            self._tracks.pop(track.request_id, None)

@@ -1,0 +1,238 @@
+"""Fakes for the gateway tests: a byte-level tokenizer and a scripted engine worker.
+
+`FakeEngineWorker` is a real implementation of the engine side of the wire protocol
+(not a mock): it consumes the lane topics and the control topic from the bus, and
+answers on `reply_topic(request.reply_to)` with one `TokenDeltaBatch` per step, one
+token per request per step, seq_no in order, offsets absolute, usage on the terminal
+delta, and an `abort` terminal when a Cancel arrives.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from api.served import ServedModel
+from bus.base import EventBus
+from bus.codec import decode, encode
+from bus.messages import (
+    Cancel,
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+    TokenDeltaBatch,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; chat template `<role>content\\n...<assistant>`."""
+
+    eos_token_ids: tuple[int, ...] = (0,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str | list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<assistant>"
+        return self.encode(text) if tokenize else text
+
+
+def served_model(name: str = "tiny", max_model_len: int = 256) -> ServedModel:
+    return ServedModel(name=name, max_model_len=max_model_len, tokenizer=ByteTokenizer())
+
+
+@dataclass
+class _Active:
+    request: GenerateRequest
+    reply: str
+    pos: int = 0
+    seq_no: int = 0
+
+
+@dataclass
+class FakeEngineWorker:
+    """Modes: "echo" answers `reply` (cut at max_tokens → "length"); "hang" answers
+    nothing until cancelled; "error" fails after 2 tokens; "deadline" ends with
+    finish_reason deadline after 2 tokens."""
+
+    bus: EventBus
+    reply: str = "Hello world"
+    mode: str = "echo"
+    step_s: float = 0.002
+    requests: list[tuple[str, GenerateRequest]] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._active: dict[str, _Active] = {}
+        self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
+        self._ready = threading.Event()
+
+    def start(self) -> FakeEngineWorker:
+        self._thread.start()
+        assert self._ready.wait(30), "fake engine never joined its group"
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def wait_for_requests(self, n: int, timeout_s: float = 5.0) -> list[GenerateRequest]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.requests) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.requests) >= n, f"engine saw {len(self.requests)} requests, not {n}"
+        return [r for _, r in self.requests]
+
+    def wait_for_cancels(self, n: int, timeout_s: float = 5.0) -> list[Cancel]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.cancels) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.cancels) >= n, f"engine saw {len(self.cancels)} cancels, not {n}"
+        return list(self.cancels)
+
+    def _run(self) -> None:
+        consumer = self.bus.consumer(
+            "fake-engine", [*REQUEST_TOPICS, CONTROL_TOPIC], offset_reset="latest"
+        )
+        try:
+            while not self._stop.is_set():
+                records = consumer.poll(0.01)
+                if consumer.assignment():
+                    self._ready.set()
+                for record in records:
+                    message = decode(record.topic, record.value)
+                    if isinstance(message, GenerateRequest):
+                        self.requests.append((record.topic, message))
+                        self._active[message.request_id] = _Active(message, self.reply)
+                    elif isinstance(message, Cancel):
+                        self.cancels.append(message)
+                        active = self._active.pop(message.request_id or "", None)
+                        if active is not None:
+                            self._publish([self._terminal(active, "abort")])
+                self._step()
+                time.sleep(self.step_s)
+        finally:
+            consumer.close()
+
+    def _terminal(self, a: _Active, reason: FinishReason, error: str | None = None) -> TokenDelta:
+        delta = TokenDelta(
+            request_id=a.request.request_id,
+            attempt=a.request.attempt,
+            seq_no=a.seq_no,
+            token_offset=a.pos,
+            text_offset=a.pos,
+            finish_reason=reason,
+            error=error,
+            usage=Usage(prompt_tokens=len(a.request.prompt_token_ids), completion_tokens=a.pos),
+        )
+        a.seq_no += 1
+        return delta
+
+    def _step(self) -> None:
+        if self.mode == "hang":
+            return
+        out: list[TokenDelta] = []
+        for request_id, a in list(self._active.items()):
+            req = a.request
+            limit = min(len(a.reply), req.sampling.max_tokens)
+            if self.mode in ("error", "deadline") and a.pos >= 2:
+                reason: FinishReason = "error" if self.mode == "error" else "deadline"
+                out.append(self._terminal(a, reason, "boom" if reason == "error" else None))
+                del self._active[request_id]
+                continue
+            char = a.reply[a.pos]
+            logprobs = None
+            if req.sampling.logprobs is not None:
+                top = [TopLogprob(token_id=ord(char), logprob=-0.5)][: req.sampling.logprobs]
+                logprobs = [TokenLogprob(token_id=ord(char), logprob=-0.5, top=top)]
+            delta = dict(
+                request_id=request_id,
+                attempt=req.attempt,
+                seq_no=a.seq_no,
+                token_offset=a.pos,
+                text_offset=a.pos,
+                token_ids=[ord(char)],
+                text=char,
+                logprobs=logprobs,
+            )
+            a.pos += 1
+            a.seq_no += 1
+            if a.pos >= limit:
+                reason = "length" if limit < len(a.reply) else "stop"
+                usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=a.pos)
+                out.append(TokenDelta(**delta, finish_reason=reason, usage=usage))  # type: ignore[arg-type]
+                del self._active[request_id]
+            else:
+                out.append(TokenDelta(**delta))  # type: ignore[arg-type]
+        if out:
+            self._publish(out)
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        by_target: dict[str, list[TokenDelta]] = {}
+        targets = {d.request_id: self._reply_to(d.request_id) for d in deltas}
+        for d in deltas:
+            by_target.setdefault(targets[d.request_id], []).append(d)
+        for reply_to, group in by_target.items():
+            batch = TokenDeltaBatch(reply_to=reply_to, deltas=group)
+            self.bus.publish(reply_topic(reply_to), encode(batch), key=reply_to.encode())
+
+    def _reply_to(self, request_id: str) -> str:
+        for _, r in reversed(self.requests):
+            if r.request_id == request_id:
+                return r.reply_to
+        raise KeyError(request_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn serving `app` on a loopback port, in a thread (for real clients)."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", ws="websockets-sansio"
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
