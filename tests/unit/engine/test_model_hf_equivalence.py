@@ -66,6 +66,7 @@ def _hf_model(family: str) -> Any:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
+    model.generation_config.eos_token_id = None  # (min_new_tokens would mask EOS logits)
     if family == "qwen2":  # HF inits biases at zero: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
@@ -84,7 +85,6 @@ def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
         do_sample=False,
         pad_token_id=0,
     )
