@@ -17,7 +17,7 @@ from decimal import Decimal
 import sqlalchemy as sa
 
 from billing.db import Database
-from billing.errors import InvalidInput
+from billing.errors import BillingError, InvalidInput
 from billing.models import ModelPrice, utcnow
 from billing.tenants import to_decimal, usd_to_micros
 
@@ -141,6 +141,15 @@ class PriceCache:
         if now >= self._expires:
             with self._lock:
                 if now >= self._expires:
-                    self._prices = self.book.all()
-                    self._expires = now + self.ttl_s
+                    self._refresh(now)
         return self._prices.get(model)
+
+    def _refresh(self, now: float) -> None:
+        """Reload; when the database is down, keep serving the last prices for a while."""
+        try:
+            self._prices = self.book.all()
+            self._expires = now + self.ttl_s
+        except BillingError:
+            if not self._prices:
+                raise
+            self._expires = now + min(self.ttl_s, 1.0)

@@ -49,3 +49,44 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     database = Database(engine)
     yield database
     database.close()
+
+
+class FakeClock:
+    """Milliseconds since the epoch, moved by hand; starts 10 s into a UTC month."""
+
+    def __init__(self, now_ms: int = 1_767_225_610_000) -> None:  # 2026-01-01T00:00:10Z
+        self.now_ms = now_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, seconds: float) -> None:
+        self.now_ms += int(seconds * 1000)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    from billing.health import check_redis
+    from tests.integration.billing.stores import REDIS_URL
+
+    try:
+        check_redis(REDIS_URL, timeout_s=1.0)
+    except Exception as exc:
+        service_missing(f"Redis at {REDIS_URL}: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix no other test (or test run) uses; its keys are deleted afterwards."""
+    import uuid
+
+    import redis
+
+    prefix = f"sluice-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
