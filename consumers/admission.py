@@ -3,11 +3,11 @@
 Sits between the Kafka poll (which adds requests, a micro-batch at a time) and the
 engine (which takes them one by one as capacity allows). Two levels:
 
-- Lanes share the engine by weighted fair queueing on tokens (stride scheduling): each
-  lane's virtual time advances by cost / weight when it is served, the backlogged lane
-  with the smallest virtual time goes next, ties to the more urgent lane. A lane that
-  was idle re-enters at the current minimum, so it cannot bank credit. With weights
-  16/4/1 a backlogged batch lane still gets 1/21 of the tokens: it never starves.
+- Lanes: the most urgent backlogged lane goes next, unless a less urgent backlogged
+  lane has fallen below its minimum share of the recently admitted tokens (weights
+  normalised over the backlogged lanes; service decays geometrically per admission).
+  With weights 16/4/1 a batch backlog gets 1/17 of the tokens beside an interactive
+  one: interactive is served first, batch never starves.
 - Within a lane, tenants share by deficit round robin on tokens (cost = prompt +
   max_tokens): a tenant with 10x the load gets no more than its share while others
   are backlogged.
@@ -107,17 +107,21 @@ class TenantQueues(Generic[T]):
 class AdmissionBuffer(Generic[T]):
     """Lanes (weighted, by urgency) of tenant queues (DRR); see the module docstring.
 
-    lane_weights: lane name → weight, most urgent first (the order breaks ties).
+    lane_weights: lane name → weight, most urgent first. decay: how much of the
+    remembered service survives each admission (0.97 ≈ the last ~30 admissions).
     """
 
-    def __init__(self, lane_weights: Mapping[str, int], tenant_quantum: int) -> None:
+    def __init__(
+        self, lane_weights: Mapping[str, int], tenant_quantum: int, decay: float = 0.97
+    ) -> None:
         if not lane_weights or min(lane_weights.values()) < 1:
             raise ValueError(f"lane weights must be >= 1, got {dict(lane_weights)}")
         self.weights = dict(lane_weights)
+        self.decay = decay
         self._lanes: dict[str, TenantQueues[T]] = {
             lane: TenantQueues(tenant_quantum) for lane in lane_weights
         }
-        self._vtime: dict[str, float] = dict.fromkeys(lane_weights, 0.0)
+        self._served: dict[str, float] = dict.fromkeys(lane_weights, 0.0)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._lanes.values())
@@ -130,23 +134,30 @@ class AdmissionBuffer(Generic[T]):
         return len(self._lanes[lane])
 
     def push(self, item: T) -> None:
-        queues = self._lanes[item.lane]
-        if not queues:  # re-entering: no credit for the time it was idle
-            busy = [self._vtime[lane] for lane, q in self._lanes.items() if q]
-            if busy:
-                self._vtime[item.lane] = max(self._vtime[item.lane], min(busy))
-        queues.push(item)
+        self._lanes[item.lane].push(item)
+
+    def _next_lane(self) -> str | None:
+        backlogged = [lane for lane, queues in self._lanes.items() if queues]
+        if not backlogged:
+            return None
+        served = sum(self._served[lane] for lane in backlogged)
+        weight = sum(self.weights[lane] for lane in backlogged)
+        best, best_deficit = backlogged[0], 0.0
+        for lane in backlogged:
+            deficit = served * self.weights[lane] / weight - self._served[lane]
+            if deficit > best_deficit:
+                best, best_deficit = lane, deficit
+        return best  # the lane furthest below its share, else the most urgent one
 
     def pop(self) -> T | None:
-        best: str | None = None
-        for lane, queues in self._lanes.items():  # most urgent first: ties go to it
-            if queues and (best is None or self._vtime[lane] < self._vtime[best]):
-                best = lane
-        if best is None:
+        lane = self._next_lane()
+        if lane is None:
             return None
-        item = self._lanes[best].pop()
+        item = self._lanes[lane].pop()
+        for name in self._served:
+            self._served[name] *= self.decay
         if item is not None:
-            self._vtime[best] += item.cost / self.weights[best]
+            self._served[lane] += item.cost
         return item
 
     def remove(self, item: T) -> bool:

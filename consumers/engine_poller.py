@@ -86,7 +86,7 @@ class LanePoller:
     def cycle(
         self,
         commits: Mapping[TopicPartition, int],
-        pause_topics: set[str],
+        pause: set[TopicPartition],
         timeout_s: float,
         max_records: int,
     ) -> PollResult:
@@ -95,12 +95,12 @@ class LanePoller:
             raise RuntimeError("LanePoller.cycle before open()")
         result = PollResult()
         result.committed = self.commit(commits)
-        self._reconcile_pause(consumer, pause_topics)
+        self._reconcile_pause(consumer, pause)
         result.controls = control.poll(0.0, 500)
         result.records = consumer.poll(timeout_s, max_records)
         result.assignment = consumer.assignment()
         # a rebalance inside poll() can clear pauses: reapply before the next fetch
-        self._reconcile_pause(consumer, pause_topics)
+        self._reconcile_pause(consumer, pause)
         result.paused = consumer.paused()
         return result
 
@@ -119,9 +119,9 @@ class LanePoller:
             return {}
         return offsets
 
-    def _reconcile_pause(self, consumer: Consumer, pause_topics: set[str]) -> None:
+    def _reconcile_pause(self, consumer: Consumer, pause: set[TopicPartition]) -> None:
         assigned = consumer.assignment()
-        want = {tp for tp in assigned if tp.topic in pause_topics}
+        want = pause & assigned
         paused = consumer.paused()
         if want - paused:
             consumer.pause(sorted(want - paused))

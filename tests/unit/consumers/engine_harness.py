@@ -7,9 +7,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bus.base import EventBus, TopicSpec
+from bus.base import EventBus, TopicPartition, TopicSpec
 from bus.codec import decode_as, encode
+from bus.memory import MemoryEventBus
 from bus.messages import Cancel, GenerateRequest, SamplingSpec, UsageRecord
+from bus.partitioner import partition_for
 from bus.topics import CONTROL_TOPIC, USAGE_TOPIC, Lane, TopicLayout, reply_topic, request_topic
 from consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from consumers.progress import MemoryProgressStore, ProgressStore
@@ -102,8 +104,10 @@ class Client:
             key = request.tenant_id.encode()
             self.bus.publish(request_topic(request.lane), encode(request), key=key).result(10)
 
-    def cancel(self, request_id: str | None = None, batch_id: str | None = None) -> None:
-        cancel = Cancel(request_id=request_id, batch_id=batch_id, tenant_id="t1")
+    def cancel(
+        self, request_id: str | None = None, batch_id: str | None = None, tenant: str = "t1"
+    ) -> None:
+        cancel = Cancel(request_id=request_id, batch_id=batch_id, tenant_id=tenant)
         self.bus.publish(CONTROL_TOPIC, encode(cancel)).result(10)
 
     def pump(self, timeout_s: float = 0.02) -> None:
@@ -132,3 +136,20 @@ class Client:
     def close(self) -> None:
         self._replies.close()
         self._usage.close()
+
+
+def committed(bus: MemoryEventBus, group: str = "engine") -> dict[TopicPartition, int]:
+    """The group's committed offsets (read from the fake broker)."""
+    with bus._cond:
+        return dict(bus._groups[group].committed)
+
+
+def partition_tenants(num_partitions: int = 2) -> list[str]:
+    """One tenant name per partition (requests are keyed by tenant)."""
+    found: dict[int, str] = {}
+    for i in range(1000):
+        name = f"tenant{i}"
+        found.setdefault(partition_for(name.encode(), num_partitions), name)
+        if len(found) == num_partitions:
+            break
+    return [found[p] for p in range(num_partitions)]
