@@ -1,0 +1,35 @@
+"""Failover with the memory bus and the in-memory progress store; zombie fencing."""
+
+from __future__ import annotations
+
+from bus.memory import MemoryEventBus
+from consumers.progress import MemoryProgressStore
+from tests.unit.consumers.engine_fakes import FakeEngineBackend
+from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.failover import run_failover
+
+
+def test_a_dead_workers_stream_continues_on_another_with_every_token_once() -> None:
+    store = MemoryProgressStore()
+    run_failover(store, store, "fo-memory")
+
+
+def test_a_zombie_attempt_is_fenced_and_aborts_without_a_terminal_delta() -> None:
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    store = MemoryProgressStore()
+    backend = FakeEngineBackend(step_s=0.01)
+    worker = WorkerThread(bus, backend, progress=store).start()
+    client.send(make_request("z", max_tokens=500))
+    client.wait(lambda: "z" in client.view.streams and len(client.view.streams["z"].token_ids) > 3)
+    [start] = store.begin_attempts([("z", 0)])  # another worker took over
+    assert start.attempt == 1
+    client.wait(lambda: any(u.request_id == "z" for u in client.usage))
+    worker.stop()
+    client.pump()
+    assert "z" in backend.aborts
+    stream = client.view.streams["z"]
+    assert stream.finish_reason is None  # the zombie said nothing final to the client
+    [usage] = [u for u in client.usage if u.request_id == "z"]
+    assert usage.attempt == 0 and usage.completion_tokens >= len(stream.token_ids)
