@@ -85,6 +85,7 @@ class FakeEngineWorker:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._active: dict[str, _Active] = {}
+        self._targets: dict[str, str] = {}  # request_id -> reply_to
         self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
         self._ready = threading.Event()
 
@@ -125,11 +126,12 @@ class FakeEngineWorker:
                     if isinstance(message, GenerateRequest):
                         self.requests.append((record.topic, message))
                         self._active[message.request_id] = _Active(message, self.reply)
+                        self._targets[message.request_id] = message.reply_to
                     elif isinstance(message, Cancel):
-                        self.cancels.append(message)
                         active = self._active.pop(message.request_id or "", None)
                         if active is not None:
                             self._publish([self._terminal(active, "abort")])
+                        self.cancels.append(message)
                 self._step()
                 time.sleep(self.step_s)
         finally:
@@ -190,18 +192,11 @@ class FakeEngineWorker:
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         by_target: dict[str, list[TokenDelta]] = {}
-        targets = {d.request_id: self._reply_to(d.request_id) for d in deltas}
         for d in deltas:
-            by_target.setdefault(targets[d.request_id], []).append(d)
+            by_target.setdefault(self._targets[d.request_id], []).append(d)
         for reply_to, group in by_target.items():
             batch = TokenDeltaBatch(reply_to=reply_to, deltas=group)
             self.bus.publish(reply_topic(reply_to), encode(batch), key=reply_to.encode())
-
-    def _reply_to(self, request_id: str) -> str:
-        for _, r in reversed(self.requests):
-            if r.request_id == request_id:
-                return r.reply_to
-        raise KeyError(request_id)
 
 
 def free_port() -> int:

@@ -1,0 +1,138 @@
+"""GatewayService on the memory bus: publish, route deltas, fence, dedupe, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+from api.service import GatewayService
+from bus.codec import decode_as, encode
+from bus.memory import MemoryEventBus
+from bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch, Usage
+from bus.topics import CONTROL_TOPIC, Lane, reply_topic, request_topic
+
+
+def delta(attempt: int, seq_no: int, offset: int, text: str, **kw: object) -> TokenDelta:
+    return TokenDelta(
+        request_id="req_1",
+        attempt=attempt,
+        seq_no=seq_no,
+        token_offset=offset,
+        text_offset=offset,
+        token_ids=list(text.encode()),
+        text=text,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def request(lane: Lane = Lane.STANDARD) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="req_1",
+        tenant_id="t1",
+        model="tiny",
+        lane=lane,
+        prompt_token_ids=[1, 2],
+        reply_to="gw1",
+        created_ms=0,
+    )
+
+
+async def _started(bus: MemoryEventBus) -> GatewayService:
+    service = GatewayService(bus, gateway_id="gw1", poll_timeout_s=0.01)
+    await service.start()
+    assert service.ready
+    return service
+
+
+def test_publishes_keyed_by_tenant_with_trace_headers() -> None:
+    async def main() -> None:
+        bus = MemoryEventBus()
+        consumer = bus.consumer("probe", [request_topic(Lane.BATCH)])
+        service = await _started(bus)
+        await service.submit([request(Lane.BATCH)], deadline_ms=None)
+        [record] = consumer.poll(1.0)
+        assert record.key == b"t1"
+        assert decode_as(GenerateRequest, record.value) == request(Lane.BATCH)
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_fencing_and_dedupe_across_a_failover() -> None:
+    """Attempt 0 delivers "Hel"; attempt 1 resumes at token 2 (overlapping "l"); attempt
+    0's late deltas and a redelivered batch are dropped: the client sees each token once."""
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        script = [
+            delta(0, 0, 0, "Hel"),
+            delta(0, 0, 0, "Hel"),  # redelivered (at-least-once)
+            delta(1, 0, 2, "llo"),  # failover: resumes from what attempt 0 published
+            delta(0, 1, 3, "XX"),  # zombie attempt 0: fenced
+            delta(1, 1, 5, " wor"),
+            delta(1, 1, 5, " wor"),  # duplicate seq_no
+            delta(
+                1,
+                2,
+                9,
+                "ld",
+                finish_reason="stop",
+                usage=Usage(prompt_tokens=2, completion_tokens=9, cached_tokens=1),
+            ),
+            delta(0, 2, 5, "YY", finish_reason="abort"),  # after the end: ignored
+        ]
+        for d in script:
+            batch = TokenDeltaBatch(reply_to="gw1", deltas=[d])
+            bus.publish(reply_topic("gw1"), encode(batch))
+        [result] = await generation.collect()
+        assert result.text == "Hello world"
+        assert bytes(result.token_ids).decode() == "Hello world"
+        assert result.finish_reason == "stop"
+        assert generation.num_completion_tokens == 11
+        assert generation.num_cached_tokens == 1
+        assert service.num_live_requests == 0
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_resumed_attempt_entirely_behind_the_client_is_dropped() -> None:
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        for d in [
+            delta(0, 0, 0, "abc"),
+            delta(2, 0, 0, "ab"),  # attempt 2 re-sends tokens the client has: nothing new
+            delta(2, 1, 2, "cd", finish_reason="length"),
+        ]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        events = []
+        while generation.pending:
+            event = await generation.next_event(1.0)
+            assert event is not None
+            events.append(event.text)
+        assert events == ["abc", "d"]
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_cancel_and_deadline() -> None:
+    async def main() -> None:
+        bus = MemoryEventBus()
+        control = bus.consumer("probe", [CONTROL_TOPIC])
+        service = await _started(bus)
+        service.deadline_grace_s = 0.0
+        generation = await service.submit([request()], deadline_ms=0)  # long past
+        event = await generation.next_event(5.0)
+        assert event is not None and event.finish_reason == "deadline"
+        [record] = control.poll(1.0)
+        cancel = decode_as(Cancel, record.value)
+        assert (cancel.request_id, cancel.tenant_id, cancel.reason) == ("req_1", "t1", "deadline")
+        assert record.key == b"t1"
+        assert not generation.pending
+        await service.stop()
+
+    asyncio.run(main())
