@@ -25,6 +25,7 @@ from bus.messages import UsageRecord
 from bus.topics import Lane
 
 logger = logging.getLogger(__name__)
+LEDGER: sa.Table = UsageEntry.__table__  # type: ignore[assignment]
 
 
 def is_batch(usage: UsageRecord) -> bool:
@@ -101,12 +102,13 @@ class UsageLedger:
                     )
             insert = postgresql.insert if self.db.dialect == "postgresql" else sqlite.insert
             statement = (
-                insert(UsageEntry)
+                insert(LEDGER)
                 .values(rows)
                 .on_conflict_do_nothing(index_elements=["request_id", "attempt"])
+                .returning(LEDGER.c.request_id)
             )
-            result = session.execute(statement)
-            return max(int(getattr(result, "rowcount", 0) or 0), 0)
+            # RETURNING yields the rows actually inserted (rowcount is unreliable here).
+            return len(session.connection().execute(statement).all())
 
     def period_spend(self, tenant_id: str, month: dt.date) -> PeriodSpend:
         """Spend in the calendar month containing `month` (one index range scan)."""
