@@ -135,16 +135,27 @@ def _bench_mixed(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) 
     }
 
 
+def _median_run(fns: dict[str, Any], reps: int) -> dict[str, dict]:
+    """Run each system `reps` times interleaved (A, B, A, B, ...); keep each one's median
+    run by tokens/s, since this shared host drifts by 10-15 % between minutes."""
+    runs: dict[str, list[dict]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            runs[name].append(fn())
+    return {n: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for n, r in runs.items()}
+
+
 def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: str, quick: bool,
                   vocab: int, gguf: Path | None) -> dict:  # fmt: skip
     new = 32 if quick else 128
     prompt = [random.Random(1).randrange(4, vocab) for _ in range(64)]
-    systems = {
-        "sluice": _sluice_batch1(lm, dtype, prompt, new),
-        "hf_generate": peers.hf_batch1(hf, prompt, new),
+    fns: dict[str, Any] = {
+        "sluice": lambda: _sluice_batch1(lm, dtype, prompt, new),
+        "hf_generate": lambda: peers.hf_batch1(hf, prompt, new),
     }
     if lm_int8 is not None:
-        systems["sluice_int8"] = _sluice_batch1(lm_int8, dtype, prompt, new)
+        fns["sluice_int8"] = lambda: _sluice_batch1(lm_int8, dtype, prompt, new)
+    systems = _median_run(fns, 1 if quick else 3)
     if gguf is not None and peers.llama_cpp_available():
         systems["llama_cpp"] = peers.llama_cpp_batch1(gguf, prompt, new)
     ratios = {"sluice_vs_hf_generate": _ratio(systems["sluice"], systems["hf_generate"])}
@@ -152,7 +163,7 @@ def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: 
         ratios["sluice_int8_vs_hf_generate"] = _ratio(
             systems["sluice_int8"], systems["hf_generate"]
         )
-    return {"systems": systems, "ratios": ratios}
+    return {"systems": systems, "ratios": ratios, "reps": 1 if quick else 3}
 
 
 def _bench_shared_prefix(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:

@@ -152,7 +152,7 @@ def build_model(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> L
     """An uninitialised model on `device` (weights come from the checkpoint)."""
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg)
-    net = net.to_empty(device=device).to(dtype)
+    net = net.to_empty(device=device).set_dtype(dtype)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     net.inv_freq = rope_inv_freq(cfg).to(device)

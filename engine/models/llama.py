@@ -155,6 +155,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.inter = cfg.intermediate_size
+        self.compute_dtype = torch.float32  # set by LlamaForCausalLM.set_dtype
 
     def forward(
         self,
@@ -166,16 +167,19 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # hot path: linears are called through .forward to skip nn.Module hook dispatch
         t = h.shape[0]
-        x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
+        # the residual stream h and the norms stay fp32 (fewer casts inside rms_norm on
+        # CPU, and HF-like norm precision); matmul inputs are cast to the compute dtype
+        x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps).to(self.compute_dtype)
         qkv = self.qkv_proj.forward(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim // 2, 2)
-        qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rope).to(h.dtype)
+        qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rope).to(qkv.dtype)
         q = qk[:, : self.num_heads].view(t, self.num_heads, self.head_dim)
         k = qk[:, self.num_heads :].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.sliding_window)
         h = h + self.o_proj.forward(attn.reshape(t, self.q_size))
         x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
+        x = x.to(self.compute_dtype)
         gu = self.gate_up_proj.forward(x)
         act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
         return h + self.down_proj.forward(act)
@@ -196,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.compute_dtype = torch.float32
 
     def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
         """Complex rotations for `positions`, shaped [T, 1, head_dim/2] (once per step)."""
@@ -209,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        h = self.embed_tokens.forward(input_ids)
+        h = self.embed_tokens.forward(input_ids).float()
         rope = self.rope_table(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = layer.forward(h, rope, meta, k_cache, v_cache)
@@ -217,7 +222,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return self.lm_head.forward(x).float()
+        return self.lm_head.forward(x.to(self.compute_dtype)).float()
+
+    def set_dtype(self, dtype: torch.dtype) -> LlamaForCausalLM:
+        """Weights in `dtype`; norm weights (and the residual stream) stay fp32."""
+        self.to(dtype)
+        self.compute_dtype = dtype
+        self.norm.data = self.norm.data.float()
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.compute_dtype = dtype
+            layer.input_layernorm.data = layer.input_layernorm.data.float()
+            layer.post_attention_layernorm.data = layer.post_attention_layernorm.data.float()
+        self.inv_freq = self.inv_freq.float()
+        return self
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Copy Hugging Face named tensors in; return the names that are missing."""
