@@ -79,6 +79,7 @@ class FakeEngineWorker:
     reply: str = "Hello world"
     mode: str = "echo"
     step_s: float = 0.002
+    group_id: str = "fake-engine"
     requests: list[tuple[str, GenerateRequest]] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
 
@@ -114,12 +115,13 @@ class FakeEngineWorker:
 
     def _run(self) -> None:
         consumer = self.bus.consumer(
-            "fake-engine", [*REQUEST_TOPICS, CONTROL_TOPIC], offset_reset="latest"
+            self.group_id, [*REQUEST_TOPICS, CONTROL_TOPIC], offset_reset="latest"
         )
         try:
             while not self._stop.is_set():
+                was_assigned = bool(consumer.assignment())
                 records = consumer.poll(0.01)
-                if consumer.assignment():
+                if was_assigned:  # "latest" positions resolve in the poll after assignment
                     self._ready.set()
                 for record in records:
                     message = decode(record.topic, record.value)
