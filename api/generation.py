@@ -127,11 +127,6 @@ class Generation:
                 )
             )
 
-    def fail_track(self, track: Track, reason: FinishReason, error: str | None) -> None:
-        if not track.done:
-            track.done = True
-            self._queue.put_nowait(StreamEvent(track.index, finish_reason=reason, error=error))
-
     # -- read by the route ---------------------------------------------------------------
     async def next_event(self, max_wait_s: float) -> StreamEvent | None:
         """The next event; None when `max_wait_s` passed quietly (time for a keep-alive).
@@ -147,14 +142,15 @@ class Generation:
         except TimeoutError:
             if self.wait_until is None or time.monotonic() < self.wait_until:
                 return None
-        self.expire()
+        self.end("deadline", "deadline")
         return self._queue.get_nowait()
 
-    def expire(self) -> None:
+    def end(self, finish: FinishReason, cancel_reason: str, error: str | None = None) -> None:
+        """Cancel the unfinished choices on the bus and end them here with `finish`."""
         unfinished = [t for t in self.tracks if not t.done]
-        self._service.cancel(self, reason="deadline")
+        self._service.cancel(self, reason=cancel_reason)
         for track in unfinished:
-            self._queue.put_nowait(StreamEvent(track.index, finish_reason="deadline"))
+            self._queue.put_nowait(StreamEvent(track.index, finish_reason=finish, error=error))
 
     def abandon(self, reason: str = "client disconnected") -> None:
         """The caller went away: cancel whatever is still running."""

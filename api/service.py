@@ -84,8 +84,9 @@ class GatewayService:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
             self._thread = None
-        for track, generation in list(self._tracks.values()):
-            generation.fail_track(track, "error", "the gateway is shutting down")
+        generations = {id(g): g for _, g in self._tracks.values()}
+        for generation in generations.values():
+            generation.end("error", "gateway shutting down", "the gateway is shutting down")
         self._tracks.clear()
 
     @property

@@ -136,3 +136,19 @@ def test_cancel_and_deadline() -> None:
         await service.stop()
 
     asyncio.run(main())
+
+
+def test_stop_ends_and_cancels_live_requests() -> None:
+    async def main() -> None:
+        bus = MemoryEventBus()
+        control = bus.consumer("probe", [CONTROL_TOPIC])
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        await service.stop()
+        event = await generation.next_event(1.0)
+        assert event is not None and event.finish_reason == "error"
+        assert not generation.pending
+        [record] = control.poll(1.0)
+        assert decode_as(Cancel, record.value).reason == "gateway shutting down"
+
+    asyncio.run(main())
