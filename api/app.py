@@ -17,7 +17,8 @@ from api.deps import Gateway
 from api.errors import install_error_handlers
 from api.middleware import GatewayMiddleware
 from api.prepare import Limits
-from api.routes import chat, completions, health, models, responses
+from api.routes import chat, completions, health, responses
+from api.routes import models as model_routes
 from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
 from bus.base import EventBus
@@ -27,7 +28,7 @@ from sluice.settings import GatewaySettings
 def create_app(
     settings: GatewaySettings,
     bus: EventBus,
-    models_: Sequence[ServedModel],
+    models: Sequence[ServedModel],
     authenticator: Authenticator | None = None,
     *,
     service: GatewayService | None = None,
@@ -67,13 +68,13 @@ def create_app(
     )
     app.state.gateway = Gateway(
         service=service,
-        models=ModelCatalog(models_),
+        models=ModelCatalog(models),
         limits=limits,
         sse_ping_s=settings.sse_ping_s,
     )
     app.state.authenticator = authenticator or StaticKeyAuthenticator(settings.api_keys)
     install_error_handlers(app)
-    for module in (health, models, chat, completions, responses):
+    for module in (health, model_routes, chat, completions, responses):
         app.include_router(module.router)
     app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
     return app
