@@ -1,0 +1,273 @@
+"""CLI for tenancy and billing: `migrate`, `tenants`, `keys`, `billing report`, `prices`.
+
+`register(app)` adds them to the `sluice` app. Without SLUICE_DATABASE_URL they use the
+data dir's SQLite file, created and migrated on first use (WAL mode, so this works while
+`sluice serve` runs). Bad input exits 2 with one line on stderr; an unreachable or
+unmigrated database exits 1.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from billing.db import Database, embedded_url, is_current, make_engine, migrate
+from billing.errors import BillingError, InvalidInput
+from billing.keys import KeyRepository
+from billing.prices import PriceBook
+from billing.reports import render_csv, render_png, render_table, usage_report
+from billing.tenants import Limits, TenantRepository, micros_to_usd, usd_to_micros
+from sluice.settings import Settings, SettingsError, load_settings
+
+tenants_app = typer.Typer(help="Create and list tenants (each with its own plan limits).")
+keys_app = typer.Typer(help="Create, list and revoke API keys (shown once at creation).")
+billing_app = typer.Typer(help="Usage and cost reports from the usage ledger.")
+prices_app = typer.Typer(help="The price book: USD per million tokens per model.")
+
+_DRIVER_MODULES = {"sqlalchemy", "psycopg", "sqlite3", "alembic"}
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+
+
+def register(app: typer.Typer) -> None:
+    """Add `migrate`, `tenants`, `keys`, `billing` and `prices` to the `sluice` app."""
+    app.command("migrate")(migrate_command)
+    app.add_typer(tenants_app, name="tenants")
+    app.add_typer(keys_app, name="keys")
+    app.add_typer(billing_app, name="billing")
+    app.add_typer(prices_app, name="prices")
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def _database(*, require_current: bool = True) -> Iterator[Database]:
+    """The configured database; embedded SQLite is created and migrated on first use."""
+    try:
+        settings = load_settings(Settings)
+    except SettingsError as exc:
+        raise _fail(str(exc).replace("\n", "; "), 2) from exc
+    db: Database | None = None
+    try:
+        if settings.database_url is None:
+            db = Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True)
+        else:
+            db = Database(make_engine(settings.database_url))
+            if require_current and not is_current(db.engine):
+                raise _fail("the database is not migrated: run `sluice migrate` first", 1)
+        yield db
+    except InvalidInput as exc:
+        raise _fail(str(exc), 2) from exc
+    except BillingError as exc:
+        raise _fail(str(exc), 1) from exc
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in _DRIVER_MODULES:
+            raise
+        # driver errors (connection refused, bad password, missing table): one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _fail(f"database: {first}", 1) from exc
+    finally:
+        if db is not None:
+            db.close()
+
+
+def _emit(payload: Any) -> None:
+    typer.echo(json.dumps(payload, indent=2, default=str))
+
+
+def _usd(micros: int | None) -> str:
+    return "-" if micros is None else str(micros_to_usd(micros))
+
+
+def migrate_command() -> None:
+    """Create or upgrade the billing database schema to the latest revision."""
+    with _database(require_current=False) as db:
+        migrate(db.engine)
+        typer.echo(f"database at revision head ({db.dialect})")
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="Unique tenant name.")],
+    rpm: Annotated[int | None, typer.Option(help="Requests per minute.", min=0)] = None,
+    tpm: Annotated[int | None, typer.Option(help="Tokens per minute.", min=0)] = None,
+    max_concurrency: Annotated[
+        int | None, typer.Option(help="Requests in flight at once.", min=0)
+    ] = None,
+    monthly_budget: Annotated[
+        str | None, typer.Option(help="Monthly budget in USD, e.g. 25.00.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create a tenant with its limits and a first API key (the key is shown once)."""
+    with _database() as db:
+        budget = usd_to_micros(monthly_budget) if monthly_budget is not None else None
+        tenant = TenantRepository(db).create(name, Limits(rpm, tpm, max_concurrency, budget))
+        key = KeyRepository(db).create(tenant.tenant_id, name="default")
+    if as_json:
+        _emit({"tenant_id": tenant.tenant_id, "name": tenant.name, "key_id": key.key_id,
+               "api_key": key.api_key})  # fmt: skip
+        return
+    typer.echo(f"tenant {tenant.name} ({tenant.tenant_id})")
+    typer.echo(f"API key (shown once, store it now): {key.api_key}")
+
+
+@tenants_app.command("list")
+def tenants_list(as_json: JsonFlag = False) -> None:
+    """List tenants with their limits."""
+    with _database() as db:
+        tenants = TenantRepository(db).list()
+    rows = [
+        {"tenant_id": t.tenant_id, "name": t.name, "rpm": t.limits.rpm, "tpm": t.limits.tpm,
+         "max_concurrency": t.limits.max_concurrency,
+         "monthly_budget_usd": _usd(t.limits.monthly_budget_micros), "created_at": t.created_at}
+        for t in tenants
+    ]  # fmt: skip
+    if as_json:
+        _emit(rows)
+        return
+    for r in rows:
+        typer.echo(
+            f"{r['tenant_id']}  {r['name']:<20} rpm={r['rpm'] or '-'} tpm={r['tpm'] or '-'} "
+            f"concurrency={r['max_concurrency'] or '-'} budget_usd={r['monthly_budget_usd']}"
+        )
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant name or id.")],
+    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create an API key for a tenant; the plaintext is printed once and never stored."""
+    with _database() as db:
+        key = KeyRepository(db).create(tenant, name=name)
+    if as_json:
+        _emit({"key_id": key.key_id, "tenant_id": key.tenant_id, "api_key": key.api_key})
+    else:
+        typer.echo(f"key {key.key_id} for {key.tenant_id} (shown once): {key.api_key}")
+
+
+@keys_app.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """List keys (prefix only, never the secret)."""
+    with _database() as db:
+        keys = KeyRepository(db).list(tenant)
+    rows = [
+        {"key_id": k.key_id, "tenant": k.tenant_name, "prefix": f"sk-sluice-{k.prefix}_…",
+         "name": k.name, "created_at": k.created_at, "revoked_at": k.revoked_at,
+         "last_used_at": k.last_used_at}
+        for k in keys
+    ]  # fmt: skip
+    if as_json:
+        _emit(rows)
+        return
+    for r in rows:
+        state = "revoked" if r["revoked_at"] else "active"
+        typer.echo(f"{r['key_id']}  {r['tenant']:<20} {r['prefix']}  {state}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key id (key_…).")]) -> None:
+    """Revoke a key; gateways stop accepting it within their auth cache TTL (5 s)."""
+    with _database() as db:
+        KeyRepository(db).revoke(key_id)
+    typer.echo(f"revoked {key_id}")
+
+
+def _date(value: str | None, flag: str) -> dt.date | None:
+    if value is None:
+        return None
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError as exc:
+        raise _fail(f"{flag} expects a date like 2026-01-31, got {value!r}", 2) from exc
+
+
+@billing_app.command("report")
+def billing_report(
+    tenant: Annotated[str | None, typer.Option(help="Tenant name or id (default: all).")] = None,
+    since: Annotated[str | None, typer.Option(help="First day, YYYY-MM-DD (UTC).")] = None,
+    until: Annotated[str | None, typer.Option(help="Last day, YYYY-MM-DD, inclusive.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv, json or png.")] = "table",
+    output: Annotated[Path | None, typer.Option(help="Write to this file.")] = None,
+) -> None:
+    """Requests, tokens and cost by model and by day."""
+    if fmt not in ("table", "csv", "json", "png"):
+        raise _fail(f"--format must be table, csv, json or png, got {fmt!r}", 2)
+    if fmt == "png" and output is None:
+        raise _fail("--format png needs --output FILE.png", 2)
+    first, last = _date(since, "--since"), _date(until, "--until")
+    if first and last and first > last:
+        raise _fail("--since is after --until", 2)
+    with _database() as db:
+        tenant_id = TenantRepository(db).get(tenant).tenant_id if tenant else None
+        report = usage_report(db, tenant_id=tenant_id, since=first, until=last,
+                              tenant_label=tenant)  # fmt: skip
+    if fmt == "png":
+        assert output is not None
+        render_png(report, output)
+        typer.echo(f"wrote {output}")
+        return
+    text = {
+        "table": lambda: render_table(report),
+        "csv": lambda: render_csv(report),
+        "json": lambda: json.dumps(report.as_dict(), indent=2) + "\n",
+    }[fmt]()
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(f"wrote {output}")
+
+
+@prices_app.command("set")
+def prices_set(
+    model: Annotated[str, typer.Argument(help="Model name as clients send it.")],
+    input_usd: Annotated[str, typer.Option("--input", help="USD per 1M input tokens.")],
+    cached_input_usd: Annotated[
+        str, typer.Option("--cached-input", help="USD per 1M cached input tokens.")
+    ],
+    output_usd: Annotated[str, typer.Option("--output", help="USD per 1M output tokens.")],
+    batch_discount: Annotated[
+        str, typer.Option(help="Fraction off on the batch lane, e.g. 0.5.")
+    ] = "0",
+) -> None:
+    """Set (or replace) a model's prices; applies to usage recorded from now on."""
+    with _database() as db:
+        price = PriceBook(db).set(model, input_usd=input_usd, cached_input_usd=cached_input_usd,
+                                  output_usd=output_usd, batch_discount=batch_discount)  # fmt: skip
+    typer.echo(f"{price.model}: input {input_usd}, cached {cached_input_usd}, "
+               f"output {output_usd} USD/1M tokens, batch discount {batch_discount}")  # fmt: skip
+
+
+@prices_app.command("list")
+def prices_list(as_json: JsonFlag = False) -> None:
+    """List the price book (USD per million tokens)."""
+    with _database() as db:
+        prices = PriceBook(db).all()
+    rows = [
+        {"model": p.model, "input_usd": str(micros_to_usd(p.input_micros)),
+         "cached_input_usd": str(micros_to_usd(p.cached_input_micros)),
+         "output_usd": str(micros_to_usd(p.output_micros)),
+         "batch_discount": str(Decimal(p.batch_discount_bp) / 10_000)}
+        for p in prices.values()
+    ]  # fmt: skip
+    if as_json:
+        _emit(rows)
+        return
+    for r in rows:
+        typer.echo(f"{r['model']:<30} in {r['input_usd']:>10}  cached {r['cached_input_usd']:>10}"
+                   f"  out {r['output_usd']:>10}  batch -{r['batch_discount']}")  # fmt: skip
