@@ -1,0 +1,34 @@
+"""The engine's real tokenizer (tiny-llama preset) plugs into the gateway as `Tokenizer`.
+
+This is what the composition root does: `ServedModel(tokenizer=engine.tokenizer.Tokenizer)`;
+the chat template renders at the gateway and the token ids reach the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.served import ServedModel
+from bus.memory import MemoryEventBus
+from engine.preset import ensure_tiny_llama
+from engine.tokenizer import Tokenizer
+from tests.unit.api.conftest import API_KEY, gateway_settings
+from tests.unit.api.fakes import FakeEngineWorker
+
+
+def test_chat_with_the_engine_tokenizer(
+    tmp_path: Path, memory_bus: MemoryEventBus, engine: FakeEngineWorker
+) -> None:
+    tokenizer = Tokenizer.from_dir(ensure_tiny_llama(tmp_path))
+    model = ServedModel(name="tiny-llama", max_model_len=512, tokenizer=tokenizer)
+    app = create_app(gateway_settings(), memory_bus, [model])
+    messages = [{"role": "user", "content": "hi there"}]
+    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        r = client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": messages})
+    assert r.status_code == 200, r.text
+    [(_, req)] = engine.requests
+    assert req.prompt_token_ids == tokenizer.apply_chat_template(messages, tokenize=True)
+    assert r.json()["usage"]["prompt_tokens"] == len(req.prompt_token_ids)
