@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from sluice import __version__
+from sluice import __version__, cli_billing, cli_serving
 from sluice.settings import Settings, SettingsError, load_settings
 
 app = typer.Typer(
@@ -23,6 +23,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that print ratios against a peer run side by side.")
 app.add_typer(bench_app, name="bench")
+cli_serving.register(app)
+cli_billing.register(app)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 

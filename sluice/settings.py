@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
@@ -94,7 +94,26 @@ class StoreSettings(_Base):
         return value
 
 
-class Settings(CommonSettings, BusSettings, StoreSettings):
+class ModelSettings(_Base):
+    """The served model and the engine's shape; the gateway reads the first four too."""
+
+    model: str = Field(default="tiny-llama", description="'tiny-llama' or a HF model directory")
+    served_model_name: str | None = Field(default=None, description="default: the model's name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(default=2048, ge=16, description="prompt + output tokens")
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    kv_cache_mb: float = Field(default=256.0, gt=0)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    quantization: Literal["int8"] | None = None
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use: --served-model-name, else the preset or directory name."""
+        return self.served_model_name or Path(self.model).name
+
+
+class Settings(CommonSettings, BusSettings, StoreSettings, ModelSettings):
     """What every Sluice process reads; process kinds extend it."""
 
 
@@ -158,3 +177,51 @@ class GatewaySettings(Settings):
         if value is not None and not all(c.isalnum() or c in "-_" for c in value):
             raise ValueError("use letters, digits, '-' and '_' only (it names a Kafka topic)")
         return value or None
+
+
+class EngineWorkerSettings(Settings):
+    """`sluice worker engine`: the engine worker's consumer group, backpressure and drain.
+
+    The composition root builds the worker's config with
+    `EngineWorkerConfig(**settings.worker_config_kwargs())` (this module imports nothing
+    of consumers: the gateway reads settings too and must not reach the engine). The
+    progress store is Redis at `SLUICE_REDIS_URL` when set, in-process otherwise.
+    """
+
+    worker_id: str | None = Field(
+        default=None, description="names this worker in telemetry; unset means hostname-pid"
+    )
+    engine_group_id: str = "engine"
+    lane_weight_interactive: int = Field(default=16, ge=1)
+    lane_weight_standard: int = Field(default=4, ge=1)
+    lane_weight_batch: int = Field(default=1, ge=1)
+    tenant_quantum_tokens: int = Field(default=256, ge=1)
+    poll_max_records: int = Field(default=64, ge=1, le=10_000)
+    max_buffered_per_partition: int = Field(default=32, ge=1)
+    max_engine_waiting: int = Field(default=8, ge=1)
+    max_kv_usage: float = Field(default=0.9, gt=0, le=1.0)
+    max_in_engine: int = Field(default=128, ge=1)
+    cancel_ttl_s: float = Field(default=600.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    progress_ttl_s: int = Field(default=6 * 3600, ge=60)
+
+    def worker_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `consumers.engine_worker.EngineWorkerConfig`."""
+        from bus.topics import Lane
+
+        return {
+            "group_id": self.engine_group_id,
+            "lane_weights": {
+                Lane.INTERACTIVE: self.lane_weight_interactive,
+                Lane.STANDARD: self.lane_weight_standard,
+                Lane.BATCH: self.lane_weight_batch,
+            },
+            "tenant_quantum_tokens": self.tenant_quantum_tokens,
+            "max_records": self.poll_max_records,
+            "max_buffered_per_partition": self.max_buffered_per_partition,
+            "max_engine_waiting": self.max_engine_waiting,
+            "max_kv_usage": self.max_kv_usage,
+            "max_in_engine": self.max_in_engine,
+            "cancel_ttl_s": self.cancel_ttl_s,
+            "drain_timeout_s": self.drain_timeout_s,
+        }

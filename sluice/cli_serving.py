@@ -1,0 +1,222 @@
+"""Serving commands: `serve` (embedded), `gateway`, `worker engine`, `up` (distributed).
+
+Every serving command takes the same model flags; `up` passes them on to the processes
+it starts, whose command lines are the equivalent `sluice gateway …` and
+`sluice worker engine …`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings, SettingsError
+from sluice.settings import load_settings as _load
+
+logger = logging.getLogger(__name__)
+
+worker_app = typer.Typer(help="Processes that run behind the bus.", no_args_is_help=True)
+
+Host = Annotated[str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")]
+Port = Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")]
+Model = Annotated[str | None, typer.Option(help="'tiny-llama' or a Hugging Face model directory.")]
+ServedName = Annotated[
+    str | None, typer.Option("--served-model-name", help="The model name clients use.")
+]
+Dtype = Annotated[
+    str | None, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
+]
+DataDir = Annotated[Path | None, typer.Option(help="Where models and state live.")]
+ApiKey = Annotated[
+    str | None, typer.Option("--api-key", help="The bearer key to accept (generated if unset).")
+]
+
+
+def _settings(cls: type[Any], **overrides: Any) -> Any:
+    try:
+        settings = _load(cls, **overrides)
+    except SettingsError as exc:
+        typer.echo(f"configuration error:\n{exc}", err=True)
+        raise typer.Exit(2) from exc
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    return settings
+
+
+def _model_overrides(
+    model: str | None, served_model_name: str | None, dtype: str | None, data_dir: Path | None
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "served_model_name": served_model_name,
+        "dtype": dtype,
+        "data_dir": data_dir,
+    }
+
+
+def _keys(api_key: str | None, settings: GatewaySettings) -> GatewaySettings:
+    """--api-key wins; else SLUICE_API_KEYS; else a generated key, printed once."""
+    if api_key:
+        return settings.model_copy(update={"api_keys": [api_key]})
+    if settings.api_keys:
+        return settings
+    return settings.model_copy(update={"api_keys": [f"sk-sluice-{secrets.token_urlsafe(24)}"]})
+
+
+def _announce(settings: GatewaySettings, model_name: str, mode: str) -> None:
+    url = f"http://{settings.host}:{settings.port}/v1"
+    typer.echo(f"sluice {mode}: serving {model_name!r} at {url}")
+    typer.echo(f"api key: {settings.api_keys[0]}")
+    typer.echo(f'try: curl {url}/models -H "Authorization: Bearer {settings.api_keys[0]}"')
+
+
+def _uvicorn(app: Any, settings: GatewaySettings) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+
+
+def serve(
+    host: Host = None,
+    port: Port = None,
+    model: Model = None,
+    served_model_name: ServedName = None,
+    dtype: Dtype = None,
+    data_dir: DataDir = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Run everything in one process on the in-memory bus (embedded mode)."""
+    from bus.memory import MemoryEventBus
+    from sluice import wiring
+
+    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    gateway = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
+    worker_settings = _settings(EngineWorkerSettings, **overrides)
+    bus = MemoryEventBus()
+    bus.create_topics(wiring.topic_layout(gateway).specs())
+    backend = wiring.build_backend(worker_settings)
+    worker = wiring.build_worker(worker_settings, bus, backend)
+    thread = threading.Thread(target=worker.run, name="sluice-engine-worker", daemon=True)
+    thread.start()
+    app = wiring.build_gateway_app(gateway, bus, wiring.served_model(gateway, backend.tokenizer))
+    _announce(gateway, gateway.model_name, "serve")
+    try:
+        _uvicorn(app, gateway)
+    finally:
+        worker.drain(worker_settings.drain_timeout_s)
+
+
+def gateway(
+    host: Host = None,
+    port: Port = None,
+    model: Model = None,
+    served_model_name: ServedName = None,
+    dtype: Dtype = None,
+    data_dir: DataDir = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Run the HTTP gateway on Kafka (distributed mode)."""
+    from sluice import wiring
+
+    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    settings = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
+    _require_kafka(settings)
+    bus = wiring.make_bus(settings, client_id="sluice-gateway")
+    app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings))
+    _announce(settings, settings.model_name, "gateway")
+    try:
+        _uvicorn(app, settings)
+    finally:
+        bus.close()
+
+
+@worker_app.command("engine")
+def worker_engine(
+    model: Model = None,
+    served_model_name: ServedName = None,
+    dtype: Dtype = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run one engine worker on Kafka: pull requests, run the engine, publish tokens."""
+    from sluice import wiring
+
+    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    settings = _settings(EngineWorkerSettings, **overrides)
+    _require_kafka(settings)
+    bus = wiring.make_bus(settings, client_id="sluice-engine-worker")
+    worker = wiring.build_worker(settings, bus, wiring.build_backend(settings))
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal %s: draining engine worker", signum)
+        worker.stop(settings.drain_timeout_s)
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        worker.run()
+    finally:
+        bus.close()
+
+
+def up(
+    host: Host = None,
+    port: Port = None,
+    model: Model = None,
+    served_model_name: ServedName = None,
+    dtype: Dtype = None,
+    data_dir: DataDir = None,
+    api_key: ApiKey = None,
+    engine_workers: Annotated[int, typer.Option(min=1, help="Engine worker processes.")] = 1,
+    restart: Annotated[bool, typer.Option(help="Restart a child that dies.")] = True,
+) -> None:
+    """Run the distributed stack as local processes: gateway + N engine workers.
+
+    Uses SLUICE_KAFKA_BOOTSTRAP, or starts a Tansu broker when it is unset.
+    """
+    from sluice.up import run_up
+
+    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    settings = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
+    model_flags = _flags(
+        model=model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
+    )
+    gateway_flags = [
+        *model_flags,
+        *_flags(host=settings.host, port=settings.port, api_key=settings.api_keys[0]),
+    ]
+    _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)")
+    code = run_up(gateway_flags, model_flags, engine_workers, settings.kafka_bootstrap, restart)
+    raise typer.Exit(code)
+
+
+def _flags(**values: Any) -> list[str]:
+    out: list[str] = []
+    for name, value in values.items():
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def _require_kafka(settings: Settings) -> None:
+    if not settings.kafka_bootstrap:
+        typer.echo(
+            "this command runs on Kafka: set SLUICE_KAFKA_BOOTSTRAP=host:port "
+            "(or use `sluice serve` for one process, `sluice up` to start a broker too)",
+            err=True,
+        )
+        raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(gateway)
+    app.command()(up)
+    app.add_typer(worker_app, name="worker")
