@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -96,8 +97,9 @@ class Client:
         self.bus = bus
         self.view = GatewayView()
         self.usage: list[UsageRecord] = []
-        self._replies = bus.consumer("test-gateway", [reply_topic(GATEWAY)])
-        self._usage = bus.consumer("test-billing", [USAGE_TOPIC])
+        suffix = uuid.uuid4().hex[:8]
+        self._replies = bus.consumer(f"test-gateway-{suffix}", [reply_topic(GATEWAY)])
+        self._usage = bus.consumer(f"test-billing-{suffix}", [USAGE_TOPIC])
 
     def send(self, *requests: GenerateRequest) -> None:
         for request in requests:
@@ -113,7 +115,7 @@ class Client:
     def pump(self, timeout_s: float = 0.02) -> None:
         for record in self._replies.poll(timeout_s, 500):
             self.view.add_batch(record.value)
-        for record in self._usage.poll(0.0, 500):
+        for record in self._usage.poll(min(timeout_s, 0.01), 500):
             self.usage.append(decode_as(UsageRecord, record.value))
 
     def wait(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
