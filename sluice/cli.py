@@ -6,14 +6,13 @@ read the output.
 
 from __future__ import annotations
 
-import json
-import logging
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from sluice import __version__, cli_billing, cli_serving
-from sluice.settings import Settings, SettingsError, load_settings
+from sluice.cli_common import emit_json, settings_or_exit
+from sluice.settings import Settings
 
 app = typer.Typer(
     name="sluice",
@@ -44,29 +43,12 @@ def main_callback(
     """Sluice command line."""
 
 
-def settings_or_exit(**overrides: Any) -> Settings:
-    try:
-        settings = load_settings(Settings, **overrides)
-    except SettingsError as exc:
-        typer.echo(f"configuration error:\n{exc}", err=True)
-        raise typer.Exit(2) from exc
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    return settings
-
-
-def emit_json(payload: Any) -> None:
-    typer.echo(json.dumps(payload, indent=2, default=str))
-
-
 @app.command()
 def doctor(as_json: JsonFlag = False) -> None:
     """Check each configured service and say what is wrong, one line each."""
     from sluice.doctor import run_checks
 
-    settings = settings_or_exit()
+    settings = settings_or_exit(Settings)
     checks = run_checks(settings)
     if as_json:
         emit_json({"ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks]})
@@ -93,7 +75,7 @@ def bench_bus(
     """Produce→consume latency p50/p99 and messages/s, memory bus vs Kafka."""
     from benchmarks.bus import render, run
 
-    settings = settings_or_exit()
+    settings = settings_or_exit(Settings)
     result = run(kafka_bootstrap=kafka or settings.kafka_bootstrap, quick=quick)
     if as_json:
         emit_json(result)
@@ -119,7 +101,7 @@ def bench_engine(
 
     Needs transformers, from the project's test extra.
     """
-    settings = settings_or_exit()
+    settings = settings_or_exit(Settings)
     try:
         from benchmarks.engine import render, run
     except ImportError as exc:

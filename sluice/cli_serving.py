@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings, SettingsError
-from sluice.settings import load_settings as _load
+from sluice.cli_common import settings_or_exit
+from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +37,6 @@ DataDir = Annotated[Path | None, typer.Option(help="Where models and state live.
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", help="The bearer key to accept (generated if unset).")
 ]
-
-
-def _settings(cls: type[Any], **overrides: Any) -> Any:
-    try:
-        settings = _load(cls, **overrides)
-    except SettingsError as exc:
-        typer.echo(f"configuration error:\n{exc}", err=True)
-        raise typer.Exit(2) from exc
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    return settings
 
 
 def _model_overrides(
@@ -98,8 +86,8 @@ def serve(
     from sluice import wiring
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    gateway = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
-    worker_settings = _settings(EngineWorkerSettings, **overrides)
+    gateway = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
+    worker_settings = settings_or_exit(EngineWorkerSettings, **overrides)
     bus = MemoryEventBus()
     bus.create_topics(wiring.topic_layout(gateway).specs())
     backend = wiring.build_backend(worker_settings)
@@ -127,7 +115,7 @@ def gateway(
     from sluice import wiring
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    settings = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
+    settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-gateway")
     app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings))
@@ -149,7 +137,7 @@ def worker_engine(
     from sluice import wiring
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    settings = _settings(EngineWorkerSettings, **overrides)
+    settings = settings_or_exit(EngineWorkerSettings, **overrides)
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-engine-worker")
     worker = wiring.build_worker(settings, bus, wiring.build_backend(settings))
@@ -184,7 +172,7 @@ def up(
     from sluice.up import run_up
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    settings = _keys(api_key, _settings(GatewaySettings, host=host, port=port, **overrides))
+    settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     model_flags = _flags(
         model=model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
     )
