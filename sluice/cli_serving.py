@@ -7,10 +7,12 @@ it starts, whose command lines are the equivalent `sluice gateway …` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Any
@@ -67,9 +69,29 @@ def _announce(settings: GatewaySettings, model_name: str, mode: str) -> None:
 
 
 def _uvicorn(app: Any, settings: GatewaySettings) -> None:
+    """Serve until SIGTERM/SIGINT, then return (so the caller can drain and exit 0).
+
+    uvicorn's own handlers re-raise the signal after shutdown, which would kill the
+    process before the engine worker drains; ours only ask the server to exit.
+    """
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    server = _Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+    )
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal %s: shutting down the gateway", signum)
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.run()
 
 
 def serve(

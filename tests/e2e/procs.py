@@ -1,0 +1,75 @@
+"""Start real `sluice` processes for end-to-end tests and wait until they serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bus.tansu import free_port
+
+API_KEY = "sk-e2e-key"
+
+
+class SluiceProcess:
+    """`python -m sluice ARGS` with its output in a log file; stopped with SIGTERM."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SluiceProcess:
+        out = open(self.log, "wb")  # noqa: SIM115 - the child writes to it until stopped
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice", *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM the process group (so `sluice up` children drain too); the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_ready(base_url: str, proc: SluiceProcess, timeout_s: float = 180.0) -> None:
+    """Poll /readyz until 200; fail with the process log if it dies or never gets there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.proc is not None
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"sluice exited with {proc.proc.returncode}:\n{proc.output()}")
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not ready after {timeout_s:.0f}s:\n{proc.output()[-5000:]}")
+
+
+def serving_args(command: str, port: int, data_dir: Path) -> list[str]:
+    return [command, "--port", str(port), "--data-dir", str(data_dir), "--api-key", API_KEY]
+
+
+__all__ = ["API_KEY", "SluiceProcess", "free_port", "serving_args", "wait_ready"]
