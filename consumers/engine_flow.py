@@ -258,7 +258,15 @@ class RequestFlow:
         raise RuntimeError("progress store unavailable")
 
     async def _start(self, items: list[WorkItem]) -> None:
-        starts = await self._begin(items)
+        try:
+            starts = await self._begin(items)
+        except RuntimeError:  # the progress store is down: back to the buffer, retry later
+            for item in items:
+                self._leave_engine(item)
+                if item.state is ItemState.STARTING and not item.silent:
+                    item.state = ItemState.BUFFERED
+                    self._buffer.push(item)
+            return
         for item, start in zip(items, starts, strict=True):
             item.begin(start)
             reason = self._start_blocker(item, start)
@@ -326,7 +334,12 @@ class RequestFlow:
         self._spawn(self._answer_unrun_async(items, reason))
 
     async def _answer_unrun_async(self, items: list[WorkItem], reason: str) -> None:
-        starts = await self._begin(items)
+        try:
+            starts = await self._begin(items)
+        except RuntimeError:  # the progress store is down: try again in a while
+            await asyncio.sleep(1.0)
+            self._spawn(self._answer_unrun_async(items, reason))
+            return
         for item, start in zip(items, starts, strict=True):
             item.begin(start)
             self._finish_unrun(item, start, "finished" if start.finished else reason)

@@ -39,7 +39,7 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
     ]
     client.send(*requests)
     ids = [r.request_id for r in requests]
-    client.wait_finished(ids, timeout_s=30)
+    client.wait_finished(ids, timeout_s=45)
     worker.stop(timeout_s=10)
     for r in requests:
         stream = client.view.streams[r.request_id]
@@ -58,4 +58,4 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
             settled = time.monotonic() + 1.5  # fetched from the committed offsets by then
     successor.close()
     client.close()
-    assert not [v for v in seen if run in v]
+    assert not [v for v in seen if run in v], worker.worker.stats

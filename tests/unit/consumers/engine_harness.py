@@ -118,10 +118,10 @@ class Client:
         for record in self._usage.poll(min(timeout_s, 0.01), 500):
             self.usage.append(decode_as(UsageRecord, record.value))
 
-    def wait(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            assert time.monotonic() < deadline, "timed out waiting"
+            assert time.monotonic() < deadline, f"timed out waiting {what}"
             self.pump()
 
     def wait_finished(self, request_ids: list[str], timeout_s: float = 10.0) -> None:
@@ -133,7 +133,14 @@ class Client:
                 for rid in request_ids
             )
 
-        self.wait(done, timeout_s)
+        def missing() -> str:
+            finished = {u.request_id for u in self.usage}
+            return f"for {[rid for rid in request_ids if rid not in finished]} (no usage yet)"
+
+        try:
+            self.wait(done, timeout_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} {missing()}") from None
 
     def close(self) -> None:
         self._replies.close()
