@@ -67,6 +67,8 @@ RebalanceCallback = Callable[[set[TopicPartition]], None]
 class Consumer(Protocol):
     """A member of a consumer group. Not thread-safe: one thread polls, commits, closes.
 
+    Rebalance callbacks run on the polling thread, inside `poll` (and `on_revoke` inside
+    `close`, where it may still commit); they are never called with an empty set.
     Offsets committed are the *next* offset to read, as in Kafka. Nothing is committed
     unless `commit` is called; when a member leaves, its partitions go to the remaining
     members, which resume at the last committed offsets (so uncommitted messages are

@@ -186,17 +186,37 @@ class KafkaEventBus:
 
 
 class _Listener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, on_assign: RebalanceCallback | None, on_revoke: RebalanceCallback | None):
-        self._on_assign = on_assign
-        self._on_revoke = on_revoke
+    """Queues rebalance events; `KafkaConsumer.poll` runs the callbacks on its own thread.
+
+    kafka-python 3 calls listeners on its IO thread, where a blocking call (a commit in
+    on_revoke, say) raises; the bus contract promises callbacks on the polling thread.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, set[TopicPartition]]] = []
+        self._lock = threading.Lock()
+
+    def _add(self, kind: str, partitions: Any) -> None:
+        with self._lock:
+            self.events.append(
+                (kind, {TopicPartition(tp.topic, tp.partition) for tp in partitions})
+            )
+
+    def take(self) -> list[tuple[str, set[TopicPartition]]]:
+        with self._lock:
+            events, self.events = self.events, []
+        return events
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        if self._on_revoke is not None:
-            self._on_revoke({TopicPartition(tp.topic, tp.partition) for tp in revoked})
+        self._add("revoke", revoked)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        if self._on_assign is not None:
-            self._on_assign({TopicPartition(tp.topic, tp.partition) for tp in assigned})
+        self._add("assign", assigned)
+
+
+# kafka-python cannot finish a group join inside a zero-timeout poll (the sync step is
+# abandoned and the join starts over), so an unassigned member polls at least this long.
+_JOIN_POLL_MS = 100
 
 
 class KafkaConsumer(Consumer):
@@ -224,15 +244,22 @@ class KafkaConsumer(Consumer):
                 fetch_max_wait_ms=config.fetch_max_wait_ms,
                 request_timeout_ms=max(config.request_timeout_ms, config.session_timeout_ms + 5000),
             )
-            self._consumer.subscribe(list(topics), listener=_Listener(on_assign, on_revoke))
+            self._listener = _Listener()
+            self._on_assign = on_assign
+            self._on_revoke = on_revoke
+            self._consumer.subscribe(list(topics), listener=self._listener)
         except Exception as exc:
             raise _translate(exc) from exc
 
     def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]:
+        timeout_ms = int(timeout_s * 1000)
+        if timeout_ms < _JOIN_POLL_MS and not self._consumer.assignment():
+            timeout_ms = _JOIN_POLL_MS
         try:
-            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+            batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         except Exception as exc:
             raise _translate(exc) from exc
+        self._dispatch_rebalance()
         out: list[Record] = []
         for tp in sorted(batches, key=lambda t: (t.topic, t.partition)):
             for m in batches[tp]:
@@ -273,7 +300,23 @@ class KafkaConsumer(Consumer):
     def paused(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.paused()}
 
+    def _dispatch_rebalance(self) -> None:
+        for kind, partitions in self._listener.take():
+            callback = self._on_assign if kind == "assign" else self._on_revoke
+            if callback is not None and partitions:
+                callback(partitions)
+
     def close(self) -> None:
+        """Leave the group; on_revoke runs first, here, so it may still commit."""
+        if self._on_revoke is not None:
+            held = self.assignment()
+            if held:
+                try:
+                    self._on_revoke(held)
+                except Exception:
+                    logger.warning("on_revoke failed while closing", exc_info=True)
+            self._on_revoke = None
+        self._on_assign = None
         try:
             self._consumer.close(autocommit=False)
         except Exception:  # closing is best effort; the group times the member out

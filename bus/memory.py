@@ -198,7 +198,7 @@ class MemoryConsumer(Consumer):
                     end = len(bus._partitions(tp.topic)[tp.partition])
                     committed = 0 if self._offset_reset == "earliest" else end
                 self._positions[tp] = committed
-        if self._on_assign is not None:
+        if new and self._on_assign is not None:
             self._on_assign(set(new))
 
     def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]:
@@ -261,6 +261,10 @@ class MemoryConsumer(Consumer):
         return set(self._paused)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._bus._leave(self)
+        """Leave the group; on_revoke runs first, so it may still commit."""
+        if self._closed:
+            return
+        if self._assigned and self._on_revoke is not None:
+            self._on_revoke(set(self._assigned))
+        self._closed = True
+        self._bus._leave(self)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from bus.base import EventBus, TopicPartition, TopicSpec
+from bus.base import EventBus, Record, TopicPartition, TopicSpec
 from bus.topics import TopicLayout
 from tests.integration.bus.drain import Member, wait_until
 from tracing.propagation import extract_context, inject_headers
@@ -163,3 +165,41 @@ def test_headers_and_trace_context_round_trip(bus: EventBus, topic: str, group: 
     assert record.header("sluice-tenant") == b"t-1"
     received = trace.get_current_span(extract_context(record.headers)).get_span_context()
     assert received.trace_id == sent_trace_id
+
+
+def test_rebalance_callbacks_run_on_the_polling_thread_and_revoke_can_commit(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 2)])
+    for n in range(4):
+        bus.publish(topic, str(n).encode(), partition=n % 2)
+    bus.flush()
+    events: list[tuple[str, set[TopicPartition], str]] = []
+    consumed: dict[TopicPartition, int] = {}
+    holder: dict[str, object] = {}
+
+    def on_assign(partitions: set[TopicPartition]) -> None:
+        events.append(("assign", partitions, threading.current_thread().name))
+
+    def on_revoke(partitions: set[TopicPartition]) -> None:
+        events.append(("revoke", partitions, threading.current_thread().name))
+        holder["consumer"].commit({tp: consumed[tp] for tp in partitions if tp in consumed})  # type: ignore[attr-defined]
+
+    consumer = bus.consumer(group, [topic], on_assign=on_assign, on_revoke=on_revoke)
+    holder["consumer"] = consumer
+    got: list[Record] = []
+    wait_until(lambda: len(got) >= 4 or bool(got.extend(consumer.poll(0.1))), SETTLE_S, "4 records")
+    for record in got:
+        consumed[record.tp] = record.offset + 1
+    consumer.close()  # nothing committed yet except what on_revoke commits now
+    me = threading.current_thread().name
+    both = {TopicPartition(topic, 0), TopicPartition(topic, 1)}
+    assert events[0] == ("assign", both, me)
+    assert events[-1] == ("revoke", both, me)
+    # The commit made inside on_revoke held: a new member has nothing left to read.
+    bus.publish(topic, b"late", partition=0).result(30)
+    late = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: len(late.records) >= 1, SETTLE_S, "the late record")
+    time.sleep(0.5)
+    late.halt()
+    assert [r.value for r in late.records] == [b"late"]
