@@ -12,18 +12,15 @@ import datetime as dt
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from billing import admin
 from billing.db import Database, embedded_url, is_current, make_engine, migrate
 from billing.errors import BillingError, InvalidInput
-from billing.keys import KeyRepository
-from billing.prices import PriceBook
-from billing.reports import render_csv, render_png, render_table, usage_report
-from billing.tenants import Limits, TenantRepository, micros_to_usd, usd_to_micros
+from billing.reports import render_csv, render_png, render_table
 from sluice.settings import Settings, SettingsError, load_settings
 
 tenants_app = typer.Typer(help="Create and list tenants (each with its own plan limits).")
@@ -84,10 +81,6 @@ def _emit(payload: Any) -> None:
     typer.echo(json.dumps(payload, indent=2, default=str))
 
 
-def _usd(micros: int | None) -> str:
-    return "-" if micros is None else str(micros_to_usd(micros))
-
-
 def migrate_command() -> None:
     """Create or upgrade the billing database schema to the latest revision."""
     with _database(require_current=False) as db:
@@ -110,35 +103,28 @@ def tenants_create(
 ) -> None:
     """Create a tenant with its limits and a first API key (the key is shown once)."""
     with _database() as db:
-        budget = usd_to_micros(monthly_budget) if monthly_budget is not None else None
-        tenant = TenantRepository(db).create(name, Limits(rpm, tpm, max_concurrency, budget))
-        key = KeyRepository(db).create(tenant.tenant_id, name="default")
+        row = admin.create_tenant(db, name, rpm=rpm, tpm=tpm, max_concurrency=max_concurrency,
+                                  monthly_budget_usd=monthly_budget)  # fmt: skip
     if as_json:
-        _emit({"tenant_id": tenant.tenant_id, "name": tenant.name, "key_id": key.key_id,
-               "api_key": key.api_key})  # fmt: skip
+        _emit({k: row[k] for k in ("tenant_id", "name", "key_id", "api_key")})
         return
-    typer.echo(f"tenant {tenant.name} ({tenant.tenant_id})")
-    typer.echo(f"API key (shown once, store it now): {key.api_key}")
+    typer.echo(f"tenant {row['name']} ({row['tenant_id']})")
+    typer.echo(f"API key (shown once, store it now): {row['api_key']}")
 
 
 @tenants_app.command("list")
 def tenants_list(as_json: JsonFlag = False) -> None:
     """List tenants with their limits."""
     with _database() as db:
-        tenants = TenantRepository(db).list()
-    rows = [
-        {"tenant_id": t.tenant_id, "name": t.name, "rpm": t.limits.rpm, "tpm": t.limits.tpm,
-         "max_concurrency": t.limits.max_concurrency,
-         "monthly_budget_usd": _usd(t.limits.monthly_budget_micros), "created_at": t.created_at}
-        for t in tenants
-    ]  # fmt: skip
+        rows = admin.list_tenants(db)
     if as_json:
         _emit(rows)
         return
     for r in rows:
         typer.echo(
             f"{r['tenant_id']}  {r['name']:<20} rpm={r['rpm'] or '-'} tpm={r['tpm'] or '-'} "
-            f"concurrency={r['max_concurrency'] or '-'} budget_usd={r['monthly_budget_usd']}"
+            f"concurrency={r['max_concurrency'] or '-'} "
+            f"budget_usd={r['monthly_budget_usd'] or '-'}"
         )
 
 
@@ -150,11 +136,11 @@ def keys_create(
 ) -> None:
     """Create an API key for a tenant; the plaintext is printed once and never stored."""
     with _database() as db:
-        key = KeyRepository(db).create(tenant, name=name)
+        row = admin.create_key(db, tenant, name)
     if as_json:
-        _emit({"key_id": key.key_id, "tenant_id": key.tenant_id, "api_key": key.api_key})
+        _emit(row)
     else:
-        typer.echo(f"key {key.key_id} for {key.tenant_id} (shown once): {key.api_key}")
+        typer.echo(f"key {row['key_id']} for {row['tenant_id']} (shown once): {row['api_key']}")
 
 
 @keys_app.command("list")
@@ -164,13 +150,7 @@ def keys_list(
 ) -> None:
     """List keys (prefix only, never the secret)."""
     with _database() as db:
-        keys = KeyRepository(db).list(tenant)
-    rows = [
-        {"key_id": k.key_id, "tenant": k.tenant_name, "prefix": f"sk-sluice-{k.prefix}_…",
-         "name": k.name, "created_at": k.created_at, "revoked_at": k.revoked_at,
-         "last_used_at": k.last_used_at}
-        for k in keys
-    ]  # fmt: skip
+        rows = admin.list_keys(db, tenant)
     if as_json:
         _emit(rows)
         return
@@ -183,17 +163,15 @@ def keys_list(
 def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key id (key_…).")]) -> None:
     """Revoke a key; gateways stop accepting it within their auth cache TTL (5 s)."""
     with _database() as db:
-        KeyRepository(db).revoke(key_id)
+        admin.revoke_key(db, key_id)
     typer.echo(f"revoked {key_id}")
 
 
 def _date(value: str | None, flag: str) -> dt.date | None:
-    if value is None:
-        return None
     try:
-        return dt.date.fromisoformat(value)
-    except ValueError as exc:
-        raise _fail(f"{flag} expects a date like 2026-01-31, got {value!r}", 2) from exc
+        return admin.parse_day(value, flag)
+    except InvalidInput as exc:
+        raise _fail(str(exc), 2) from exc
 
 
 @billing_app.command("report")
@@ -213,9 +191,7 @@ def billing_report(
     if first and last and first > last:
         raise _fail("--since is after --until", 2)
     with _database() as db:
-        tenant_id = TenantRepository(db).get(tenant).tenant_id if tenant else None
-        report = usage_report(db, tenant_id=tenant_id, since=first, until=last,
-                              tenant_label=tenant)  # fmt: skip
+        report = admin.report(db, tenant=tenant, since=first, until=last)
     if fmt == "png":
         assert output is not None
         render_png(report, output)
@@ -247,9 +223,9 @@ def prices_set(
 ) -> None:
     """Set (or replace) a model's prices; applies to usage recorded from now on."""
     with _database() as db:
-        price = PriceBook(db).set(model, input_usd=input_usd, cached_input_usd=cached_input_usd,
-                                  output_usd=output_usd, batch_discount=batch_discount)  # fmt: skip
-    typer.echo(f"{price.model}: input {input_usd}, cached {cached_input_usd}, "
+        row = admin.set_price(db, model, input_usd=input_usd, cached_input_usd=cached_input_usd,
+                              output_usd=output_usd, batch_discount=batch_discount)  # fmt: skip
+    typer.echo(f"{row['model']}: input {input_usd}, cached {cached_input_usd}, "
                f"output {output_usd} USD/1M tokens, batch discount {batch_discount}")  # fmt: skip
 
 
@@ -257,14 +233,7 @@ def prices_set(
 def prices_list(as_json: JsonFlag = False) -> None:
     """List the price book (USD per million tokens)."""
     with _database() as db:
-        prices = PriceBook(db).all()
-    rows = [
-        {"model": p.model, "input_usd": str(micros_to_usd(p.input_micros)),
-         "cached_input_usd": str(micros_to_usd(p.cached_input_micros)),
-         "output_usd": str(micros_to_usd(p.output_micros)),
-         "batch_discount": str(Decimal(p.batch_discount_bp) / 10_000)}
-        for p in prices.values()
-    ]  # fmt: skip
+        rows = admin.list_prices(db)
     if as_json:
         _emit(rows)
         return

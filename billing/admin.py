@@ -1,0 +1,161 @@
+"""Tenancy operations shared by the CLI (`sluice tenants|keys|billing|prices`) and the admin API.
+
+Each function takes the billing `Database`, does one job through the repositories, and
+returns JSON-ready rows (str/int/None; times as ISO 8601), so `sluice … --json` and
+`/admin/v1/…` print the same objects. Errors are `billing.errors` (InvalidInput → 400 /
+exit 2, NotFound → 404, Conflict → 409, StoreUnavailable → 503 / exit 1).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+from typing import Any
+
+import sqlalchemy as sa
+
+from billing.db import Database
+from billing.errors import InvalidInput
+from billing.keys import KeyInfo, KeyRepository
+from billing.models import Tenant
+from billing.prices import Price, PriceBook
+from billing.reports import Report, usage_report
+from billing.tenants import Limits, TenantInfo, TenantRepository, micros_to_usd, usd_to_micros
+
+Row = dict[str, Any]
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _usd(micros: int | None) -> str | None:
+    return None if micros is None else str(micros_to_usd(micros))
+
+
+def tenant_row(t: TenantInfo) -> Row:
+    return {
+        "tenant_id": t.tenant_id,
+        "name": t.name,
+        "rpm": t.limits.rpm,
+        "tpm": t.limits.tpm,
+        "max_concurrency": t.limits.max_concurrency,
+        "monthly_budget_usd": _usd(t.limits.monthly_budget_micros),
+        "created_at": _iso(t.created_at),
+    }
+
+
+def key_row(k: KeyInfo) -> Row:
+    return {
+        "key_id": k.key_id,
+        "tenant_id": k.tenant_id,
+        "tenant": k.tenant_name,
+        "prefix": f"sk-sluice-{k.prefix}_…",
+        "name": k.name,
+        "created_at": _iso(k.created_at),
+        "revoked_at": _iso(k.revoked_at),
+        "last_used_at": _iso(k.last_used_at),
+    }
+
+
+def price_row(p: Price) -> Row:
+    return {
+        "model": p.model,
+        "input_usd": str(micros_to_usd(p.input_micros)),
+        "cached_input_usd": str(micros_to_usd(p.cached_input_micros)),
+        "output_usd": str(micros_to_usd(p.output_micros)),
+        "batch_discount": str(Decimal(p.batch_discount_bp) / 10_000),
+    }
+
+
+def create_tenant(
+    db: Database,
+    name: str,
+    *,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    max_concurrency: int | None = None,
+    monthly_budget_usd: str | None = None,
+) -> Row:
+    """A tenant with its own plan and a first key named "default" (plaintext shown once)."""
+    budget = usd_to_micros(monthly_budget_usd) if monthly_budget_usd is not None else None
+    tenant = TenantRepository(db).create(name, Limits(rpm, tpm, max_concurrency, budget))
+    key = KeyRepository(db).create(tenant.tenant_id, name="default")
+    return {**tenant_row(tenant), "key_id": key.key_id, "api_key": key.api_key}
+
+
+def list_tenants(db: Database) -> list[Row]:
+    return [tenant_row(t) for t in TenantRepository(db).list()]
+
+
+def has_tenants(db: Database) -> bool:
+    """Whether any tenant exists (the gateway's static-key fallback needs an empty store)."""
+    with db.session() as session:
+        return session.scalar(sa.select(Tenant.id).limit(1)) is not None
+
+
+def create_key(db: Database, tenant: str, name: str | None = None) -> Row:
+    key = KeyRepository(db).create(tenant, name=name)
+    return {"key_id": key.key_id, "tenant_id": key.tenant_id, "api_key": key.api_key}
+
+
+def list_keys(db: Database, tenant: str | None = None) -> list[Row]:
+    return [key_row(k) for k in KeyRepository(db).list(tenant)]
+
+
+def revoke_key(db: Database, key_id: str) -> Row:
+    KeyRepository(db).revoke(key_id)
+    return {"key_id": key_id, "revoked": True}
+
+
+def parse_day(value: str | None, name: str) -> dt.date | None:
+    if value is None:
+        return None
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError as exc:
+        raise InvalidInput(f"{name} expects a date like 2026-01-31, got {value!r}") from exc
+
+
+def report(
+    db: Database,
+    *,
+    tenant: str | None,
+    since: dt.date | None = None,
+    until: dt.date | None = None,
+    by_id: bool = False,
+) -> Report:
+    """Usage for `tenant` (name or id; an exact tenant id when `by_id`), or all tenants.
+
+    `by_id` is for a caller's own usage: the id comes from its key and is used as is, so
+    a tenant whose rows exist only in the ledger (e.g. the static-key "default") works.
+    """
+    if since and until and since > until:
+        raise InvalidInput("since is after until")
+    if tenant is None or by_id:
+        return usage_report(db, tenant_id=tenant, since=since, until=until)
+    tenant_id = TenantRepository(db).get(tenant).tenant_id
+    return usage_report(db, tenant_id=tenant_id, since=since, until=until, tenant_label=tenant)
+
+
+def set_price(
+    db: Database,
+    model: str,
+    *,
+    input_usd: str,
+    cached_input_usd: str,
+    output_usd: str,
+    batch_discount: str = "0",
+) -> Row:
+    price = PriceBook(db).set(
+        model,
+        input_usd=input_usd,
+        cached_input_usd=cached_input_usd,
+        output_usd=output_usd,
+        batch_discount=batch_discount,
+    )
+    return price_row(price)
+
+
+def list_prices(db: Database) -> list[Row]:
+    return [price_row(p) for p in PriceBook(db).all().values()]
