@@ -1,8 +1,9 @@
 """The gateway's FastAPI app factory: OpenAI-compatible routes over the event bus.
 
 `create_app` wires what the composition root (`sluice/`) built: settings, the bus, the
-served models and the authenticator. The app starts the `GatewayService` (the reply
-consumer) in its lifespan and stops it on shutdown.
+served models, the authenticator and, with a tenant store, the `AdmissionService`. The
+app starts the `GatewayService` (the reply consumer) in its lifespan and stops it on
+shutdown; it does not close the admission service (its owner does).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from api.deps import Gateway
 from api.errors import install_error_handlers
 from api.middleware import GatewayMiddleware
 from api.prepare import Limits
-from api.routes import chat, completions, health, responses
+from api.routes import admin, chat, completions, health, responses, usage
 from api.routes import models as model_routes
 from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
+from api.tenancy import GatewayAdmission, TenantAuthenticator
+from billing.admission import AdmissionService
 from bus.base import EventBus
 from sluice.settings import GatewaySettings
 
@@ -32,8 +35,10 @@ def create_app(
     authenticator: Authenticator | None = None,
     *,
     service: GatewayService | None = None,
+    admission: AdmissionService | None = None,
 ) -> FastAPI:
-    """The gateway app. `authenticator` defaults to the static keys of `settings`.
+    """The gateway app. `authenticator` defaults to the static keys of `settings`, or
+    with `admission` to the tenant store (static keys then work only while it is empty).
 
     `service` may be passed in (tests, embedded mode); by default one is built on `bus`
     with `settings.gateway_id`. The app owns its lifecycle either way.
@@ -66,15 +71,20 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
+    static = StaticKeyAuthenticator(settings.api_keys)
+    if admission is not None:
+        authenticator = authenticator or TenantAuthenticator(admission, static)
     app.state.gateway = Gateway(
         service=service,
         models=ModelCatalog(models),
         limits=limits,
         sse_ping_s=settings.sse_ping_s,
+        admission=GatewayAdmission(admission, service) if admission is not None else None,
+        admin_key=settings.admin_key,
     )
-    app.state.authenticator = authenticator or StaticKeyAuthenticator(settings.api_keys)
+    app.state.authenticator = authenticator or static
     install_error_handlers(app)
-    for module in (health, model_routes, chat, completions, responses):
+    for module in (health, model_routes, chat, completions, responses, usage, admin):
         app.include_router(module.router)
     app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
     return app

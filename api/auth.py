@@ -1,8 +1,8 @@
 """Who is calling: bearer API key → (tenant_id, key_id), the first step of every request.
 
-`Authenticator` is the seam: the static key set (`--api-key`) now, a key store with
-hashed keys (billing/) later. The tenant always comes from the key, never from a header
-the client controls (DESIGN.md §5.6).
+`Authenticator` is the seam: the static key set (`--api-key`) here, the tenant key store
+(hashed keys in billing/) in `api.tenancy.TenantAuthenticator`. The tenant always comes
+from the key, never from a header the client controls (DESIGN.md §5.6).
 """
 
 from __future__ import annotations
@@ -16,15 +16,21 @@ from fastapi import Request
 from starlette.requests import HTTPConnection
 
 from api.errors import AuthenticationFailed
+from billing.tenants import Limits
 
 DEFAULT_TENANT = "default"
 
 
 class Principal(NamedTuple):
-    """The caller as the rest of the pipeline sees it; cache salt = tenant_id."""
+    """The caller as the rest of the pipeline sees it; cache salt = tenant_id.
+
+    `limits` is the tenant's plan when the key came from the tenant store; None (static
+    keys) means no admission limits apply.
+    """
 
     tenant_id: str
     key_id: str | None
+    limits: Limits | None = None
 
 
 class Authenticator(Protocol):

@@ -2,23 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
+from api.auth import Principal
+from api.generation import Generation
 from api.prepare import Limits
 from api.served import ModelCatalog
 from api.service import GatewayService
+from api.tenancy import GatewayAdmission
+from bus.messages import GenerateRequest
 
 
 @dataclass(frozen=True, slots=True)
 class Gateway:
-    """The app's collaborators, stored on `app.state.gateway` by `create_app`."""
+    """The app's collaborators, stored on `app.state.gateway` by `create_app`.
+
+    `admission` is None in static-key mode (no tenant store): nothing is admitted.
+    """
 
     service: GatewayService
     models: ModelCatalog
     limits: Limits
     sse_ping_s: float
+    admission: GatewayAdmission | None = None
+    admin_key: str | None = None
+
+    async def submit(
+        self,
+        conn: HTTPConnection,
+        principal: Principal,
+        requests: Sequence[GenerateRequest],
+        deadline_ms: int | None,
+    ) -> Generation:
+        """Admit (tenant keys) and publish one call's sub-requests."""
+        if self.admission is None:
+            return await self.service.submit(requests, deadline_ms)
+        return await self.admission.submit(conn, principal, requests, deadline_ms)
 
 
 def gateway(conn: HTTPConnection) -> Gateway:

@@ -7,13 +7,25 @@ APIError                         root; carries status, type, code, param, header
 ├── InvalidRequest               400 invalid_request_error (FastAPI's 422s are reshaped here)
 │   └── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
 ├── AuthenticationFailed         401 authentication_error / invalid_api_key
+├── PermissionDenied             403 permission_error (admin routes without the admin key)
 ├── NotFound                     404 invalid_request_error / not_found (unknown route)
 │   └── ModelNotFound            404 invalid_request_error / model_not_found
+├── Conflict                     409 invalid_request_error / conflict (x-should-retry: false)
 ├── RequestTooLarge              413 invalid_request_error / request_too_large
+├── RateLimited                  429 rate_limit_error / rate_limit_exceeded (x-should-retry: true)
+├── QuotaExceeded                429 insufficient_quota / insufficient_quota (x-should-retry: false)
 ├── EngineFailed                 500 server_error (finish_reason "error")
 ├── ServiceUnavailable           503 server_error / bus_unavailable (retryable)
+│   └── QuotaUnavailable         503 server_error / quota_store_unavailable (budgeted tenant,
+│                                Redis down: budgets fail closed)
 ├── RequestCancelled             503 server_error / request_cancelled (x-should-retry: false)
 └── DeadlineExceeded             504 timeout_error / deadline_exceeded (x-should-retry: false)
+
+429s carry `retry-after` and the `x-ratelimit-*` headers of the admission decision. A
+rate limit (requests, tokens, concurrency) resets soon, so the SDK may retry it; an
+exhausted monthly budget does not, so `x-should-retry: false` stops the SDK's retries.
+`billing.errors` map here too: InvalidInput 400, NotFound 404, Conflict 409,
+AuthenticationFailed 401, StoreUnavailable 503.
 
 A deadline is the caller's own budget (`x-sluice-timeout-ms` or the gateway default), so
 retrying it blindly would only spend it again: 504 says "the upstream ran out of time"
@@ -29,6 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from billing import errors as billing_errors
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +86,12 @@ class AuthenticationFailed(APIError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(APIError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
 class NotFound(APIError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -82,10 +102,41 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class Conflict(APIError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
 class RequestTooLarge(APIError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RateLimited(APIError):
+    """A rate limit that resets soon: requests or tokens per minute, or concurrency."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers={**headers, "x-should-retry": "true"})
+
+
+class QuotaExceeded(APIError):
+    """The monthly budget is spent: retrying before the next period cannot help."""
+
+    status_code = 429
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers={**headers, "x-should-retry": "false"})
 
 
 class EngineFailed(APIError):
@@ -98,6 +149,13 @@ class ServiceUnavailable(APIError):
     status_code = 503
     error_type = "server_error"
     code = "bus_unavailable"
+
+
+class QuotaUnavailable(ServiceUnavailable):
+    code = "quota_store_unavailable"
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers={**headers, "x-should-retry": "true"})
 
 
 class RequestCancelled(APIError):
@@ -164,6 +222,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+def from_billing(exc: billing_errors.BillingError) -> APIError:
+    """A billing error as the HTTP error it means for the caller."""
+    message = str(exc)
+    if isinstance(exc, billing_errors.NotFound):
+        return NotFound(message, code="not_found")
+    if isinstance(exc, billing_errors.Conflict):
+        return Conflict(message)
+    if isinstance(exc, billing_errors.InvalidInput):
+        return InvalidRequest(message, code="invalid_value")
+    if isinstance(exc, billing_errors.AuthenticationFailed):
+        return AuthenticationFailed("incorrect API key provided")
+    return ServiceUnavailable(
+        "the tenant store is unavailable; retry shortly", code="store_unavailable"
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every failure through the OpenAI error shape."""
 
@@ -189,11 +263,16 @@ def install_error_handlers(app: FastAPI) -> None:
             err.headers = dict(exc.headers or {})
         return error_response(err, _request_id(request))
 
+    async def on_billing(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, billing_errors.BillingError)
+        return error_response(from_billing(exc), _request_id(request))
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error request_id=%s", _request_id(request))
         return error_response(APIError("internal server error"), _request_id(request))
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(billing_errors.BillingError, on_billing)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

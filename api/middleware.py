@@ -2,7 +2,8 @@
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched. The id is `req_<hex>`, sent back as `x-request-id` on every response,
-errors included, and used as the request id on the bus.
+errors included, and used as the request id on the bus. The admission decision's
+`x-ratelimit-*` headers, left on the scope state by `api.tenancy`, go on the response too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import RequestTooLarge, error_response
+from api.tenancy import RATELIMIT_STATE
 
 
 class GatewayMiddleware:
@@ -35,6 +37,9 @@ class GatewayMiddleware:
                 headers = MutableHeaders(scope=message)
                 if "x-request-id" not in headers:
                     headers.append("x-request-id", request_id)
+                for name, value in scope["state"].get(RATELIMIT_STATE, {}).items():
+                    if name not in headers:
+                        headers.append(name, value)
             await send(message)
 
         too_large = RequestTooLarge(f"the request body is larger than {self.max_body_bytes} bytes")

@@ -9,7 +9,10 @@ needs no lock:
 - fencing: a delta of a lower attempt than the highest seen is dropped;
 - duplicates: a (attempt, seq_no) at or below the last one taken is dropped;
 - dedupe across a failover: token_offset/text_offset are absolute positions in the
-  completion, so the part of a delta before what the client already has is cut off.
+  completion, so the part of a delta before what the client already has is cut off;
+- terminals: with a hook (`watch_terminals`, used for quota settlement), the first
+  terminal delta of every published sub-request is handed to it, also after the client
+  went away or the deadline passed (the engine answers the Cancel with usage).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from api.errors import ServiceUnavailable
 from api.generation import Generation, Track
@@ -32,6 +35,9 @@ from bus.topics import CONTROL_TOPIC, reply_topic, request_topic
 from tracing.propagation import inject_headers
 
 logger = logging.getLogger(__name__)
+
+TerminalHook = Callable[[GenerateRequest, TokenDelta], None]
+TERMINAL_WAIT_S = 3600.0  # how long a published request waits for its terminal delta
 
 
 class GatewayService:
@@ -62,6 +68,8 @@ class GatewayService:
         self._ready = threading.Event()
         self._last_poll_ok = 0.0
         self._poll_error: str | None = None
+        self._terminal_hook: TerminalHook | None = None
+        self._awaiting: dict[str, tuple[GenerateRequest, float]] = {}
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -100,6 +108,14 @@ class GatewayService:
     def num_live_requests(self) -> int:
         return len(self._tracks)
 
+    def watch_terminals(self, hook: TerminalHook) -> None:
+        """Call `hook(request, delta)` on the event loop for each request's first terminal."""
+        self._terminal_hook = hook
+
+    def forget_terminals(self, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        """Stop waiting for these requests' terminals; returns those that were awaited."""
+        return [e[0] for r in requests if (e := self._awaiting.pop(r.request_id, None))]
+
     # -- requests -------------------------------------------------------------------
     async def submit(
         self, requests: Sequence[GenerateRequest], deadline_ms: int | None
@@ -117,6 +133,8 @@ class GatewayService:
         generation = Generation(tracks, tenant_id=tenant_id, wait_until=wait_until, service=self)
         for track in tracks:
             self._tracks[track.request_id] = (track, generation)
+        if self._terminal_hook is not None:
+            self._await_terminals(requests)
         headers = inject_headers()
         try:
             futures = [
@@ -158,6 +176,13 @@ class GatewayService:
             except BusError as exc:  # the engine's deadline still bounds the waste
                 logger.warning("cancel not published request_id=%s: %s", track.request_id, exc)
             logger.info("cancelled request_id=%s reason=%s", track.request_id, reason)
+
+    def _await_terminals(self, requests: Sequence[GenerateRequest]) -> None:
+        now = time.monotonic()
+        if len(self._awaiting) > 10_000:  # terminals that never came (lost requests)
+            self._awaiting = {k: v for k, v in self._awaiting.items() if v[1] > now}
+        for r in requests:
+            self._awaiting[r.request_id] = (r, now + TERMINAL_WAIT_S)
 
     def forget(self, track: Track) -> None:
         self._tracks.pop(track.request_id, None)
@@ -211,9 +236,20 @@ class GatewayService:
     def _route(self, batches: list[TokenDeltaBatch]) -> None:
         for batch in batches:
             for delta in batch.deltas:
+                if delta.finish_reason is not None and self._awaiting:
+                    self._terminal(delta)
                 entry = self._tracks.get(delta.request_id)
                 if entry is not None:
                     self._accept(entry[0], entry[1], delta)
+
+    def _terminal(self, delta: TokenDelta) -> None:
+        awaited = self._awaiting.pop(delta.request_id, None)
+        if awaited is None or self._terminal_hook is None:
+            return
+        try:
+            self._terminal_hook(awaited[0], delta)
+        except Exception:  # settlement must never break the reply stream
+            logger.exception("terminal hook failed request_id=%s", delta.request_id)
 
     def _accept(self, track: Track, generation: Generation, delta: TokenDelta) -> None:
         if delta.attempt < track.attempt:

@@ -151,6 +151,14 @@ class GatewaySettings(Settings):
         default=None,
         description="names this instance's reply topic; unset means a random id per start",
     )
+    admin_key: str | None = Field(
+        default=None, description="bearer key of the /admin/v1 API; unset disables it"
+    )
+    gateway_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="gateway processes sharing Redis: each takes limit/replicas when it is down",
+    )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="deadline when a request sends no x-sluice-timeout-ms"

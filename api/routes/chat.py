@@ -91,7 +91,7 @@ async def create_chat_completion(
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     call, model = build(body, request, principal, gw)
-    generation = await gw.service.submit(call.requests, call.deadline_ms)
+    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ChatFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

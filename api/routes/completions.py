@@ -75,7 +75,7 @@ async def create_completion(
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     call, model = build(body, request, principal, gw)
-    generation = await gw.service.submit(call.requests, call.deadline_ms)
+    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     want_logprobs = body.logprobs is not None
     if body.stream:

@@ -91,7 +91,7 @@ async def create_response(
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     call = build(body, request.headers, principal, gw, call_id(request))
-    generation = await gw.service.submit(call.requests, call.deadline_ms)
+    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
     if body.stream:
         return SSEResponse(_sse(fmt.events(generation, gw.sse_ping_s), generation.abandon))
@@ -131,7 +131,7 @@ async def responses_websocket(websocket: WebSocket) -> None:
         try:
             body = ResponsesRequest.model_validate(payload)
             call = build(body, websocket.headers, principal, gw, uuid.uuid4().hex)
-            generation = await gw.service.submit(call.requests, call.deadline_ms)
+            generation = await gw.submit(websocket, principal, call.requests, call.deadline_ms)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ())) or None

@@ -1,0 +1,119 @@
+"""`/admin/v1`: tenants, keys, usage reports and the price book, behind the admin key.
+
+The same operations as `sluice tenants|keys|billing|prices` (`billing.admin`). The admin
+key is `SLUICE_ADMIN_KEY`, sent as `Authorization: Bearer <key>`. Without one configured
+every admin route answers 403 `admin_disabled`; a wrong or missing key is 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.auth import bearer_token
+from api.deps import Gateway, gateway
+from api.errors import AuthenticationFailed, PermissionDenied
+from api.routes.usage import tenancy_db
+from billing import admin
+from billing.db import Database
+
+
+def require_admin(request: Request, gw: Gateway = Depends(gateway)) -> Database:
+    """The billing database, for a caller holding the admin key."""
+    if not gw.admin_key:
+        raise PermissionDenied(
+            "the admin API is disabled: set SLUICE_ADMIN_KEY on the gateway to enable it",
+            code="admin_disabled",
+        )
+    token = bearer_token(request) or ""
+    if not hmac.compare_digest(token.encode(), gw.admin_key.encode()):
+        raise AuthenticationFailed("incorrect admin key provided")
+    return tenancy_db(gw)
+
+
+router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
+Row = dict[str, Any]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantCreate(_Body):
+    name: str
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_concurrency: int | None = Field(None, ge=0)
+    monthly_budget_usd: str | None = None
+
+
+class KeyCreate(_Body):
+    tenant: str = Field(description="Tenant name or id.")
+    name: str | None = None
+
+
+class PriceSet(_Body):
+    model: str
+    input_usd: str
+    cached_input_usd: str
+    output_usd: str
+    batch_discount: str = "0"
+
+
+@router.post("/tenants", status_code=201)
+def create_tenant(body: TenantCreate, db: Database = Depends(require_admin)) -> Row:
+    """A tenant with its limits and a first key; `api_key` is shown only in this answer."""
+    return admin.create_tenant(
+        db, body.name, rpm=body.rpm, tpm=body.tpm, max_concurrency=body.max_concurrency,
+        monthly_budget_usd=body.monthly_budget_usd,
+    )  # fmt: skip
+
+
+@router.get("/tenants")
+def list_tenants(db: Database = Depends(require_admin)) -> Row:
+    return {"object": "list", "data": admin.list_tenants(db)}
+
+
+@router.post("/keys", status_code=201)
+def create_key(body: KeyCreate, db: Database = Depends(require_admin)) -> Row:
+    return admin.create_key(db, body.tenant, body.name)
+
+
+@router.get("/keys")
+def list_keys(tenant: str | None = None, db: Database = Depends(require_admin)) -> Row:
+    return {"object": "list", "data": admin.list_keys(db, tenant)}
+
+
+@router.post("/keys/{key_id}/revoke")
+def revoke_key(key_id: str, db: Database = Depends(require_admin)) -> Row:
+    return admin.revoke_key(db, key_id)
+
+
+@router.get("/usage")
+def usage(
+    tenant: str | None = Query(None, description="Tenant name or id (default: all)."),
+    since: str | None = None,
+    until: str | None = None,
+    db: Database = Depends(require_admin),
+) -> Row:
+    report = admin.report(
+        db, tenant=tenant, since=admin.parse_day(since, "since"),
+        until=admin.parse_day(until, "until"),
+    )  # fmt: skip
+    return {"object": "usage", **report.as_dict()}
+
+
+@router.put("/prices", status_code=200)
+def set_price(body: PriceSet, db: Database = Depends(require_admin)) -> Row:
+    return admin.set_price(
+        db, body.model, input_usd=body.input_usd, cached_input_usd=body.cached_input_usd,
+        output_usd=body.output_usd, batch_discount=body.batch_discount,
+    )  # fmt: skip
+
+
+@router.get("/prices")
+def list_prices(db: Database = Depends(require_admin)) -> Row:
+    return {"object": "list", "data": admin.list_prices(db)}
