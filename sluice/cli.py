@@ -83,6 +83,26 @@ def bench_bus(
         typer.echo(render(result))
 
 
+@bench_app.command("admission")
+def bench_admission(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="2000 requests instead of 10000.")] = False,
+    redis: Annotated[
+        str | None,
+        typer.Option(help="Redis URL; default $SLUICE_REDIS_URL (in-process only when unset)."),
+    ] = None,
+) -> None:
+    """What auth + admission add per request, p50/p99: in-process quotas vs Redis."""
+    from benchmarks.admission import render, run
+
+    settings = settings_or_exit(Settings)
+    result = run(redis_url=redis or settings.redis_url, quick=quick)
+    if as_json:
+        emit_json(result)
+    else:
+        typer.echo(render(result))
+
+
 @bench_app.command("engine")
 def bench_engine(
     as_json: JsonFlag = False,

@@ -1,8 +1,14 @@
-"""Serving commands: `serve` (embedded), `gateway`, `worker engine`, `up` (distributed).
+"""Serving commands: `serve` (embedded), `gateway`, `worker engine|billing|quotas`, `up`.
 
 Every serving command takes the same model flags; `up` passes them on to the processes
-it starts, whose command lines are the equivalent `sluice gateway …` and
-`sluice worker engine …`.
+it starts, whose command lines are the equivalent `sluice gateway …`,
+`sluice worker engine …`, `sluice worker billing` and `sluice worker quotas`.
+
+Keys: with a tenant store (always in `serve`; with SLUICE_DATABASE_URL in `gateway`)
+callers use tenant keys (`sluice tenants create`) and are admitted against their plan.
+The static key (`--api-key`, SLUICE_API_KEYS, or the generated one) is accepted, as
+tenant "default" without limits, only while the store holds no tenant. Without a tenant
+store (`gateway` with no SLUICE_DATABASE_URL) the static keys are the only keys.
 """
 
 from __future__ import annotations
@@ -61,9 +67,17 @@ def _keys(api_key: str | None, settings: GatewaySettings) -> GatewaySettings:
     return settings.model_copy(update={"api_keys": [f"sk-sluice-{secrets.token_urlsafe(24)}"]})
 
 
-def _announce(settings: GatewaySettings, model_name: str, mode: str) -> None:
+def _announce(
+    settings: GatewaySettings, model_name: str, mode: str, admission: Any | None = None
+) -> None:
     url = f"http://{settings.host}:{settings.port}/v1"
     typer.echo(f"sluice {mode}: serving {model_name!r} at {url}")
+    if admission is not None:
+        from billing.admin import has_tenants
+
+        if has_tenants(admission.auth.db):
+            typer.echo("tenant keys only: the tenant store has tenants (sluice tenants list)")
+            return
     typer.echo(f"api key: {settings.api_keys[0]}")
     typer.echo(f'try: curl {url}/models -H "Authorization: Bearer {settings.api_keys[0]}"')
 
@@ -116,12 +130,18 @@ def serve(
     worker = wiring.build_worker(worker_settings, bus, backend)
     thread = threading.Thread(target=worker.run, name="sluice-engine-worker", daemon=True)
     thread.start()
-    app = wiring.build_gateway_app(gateway, bus, wiring.served_model(gateway, backend.tokenizer))
-    _announce(gateway, gateway.model_name, "serve")
+    admission = wiring.open_tenancy(gateway, embedded=True)
+    assert admission is not None
+    consumers = wiring.ConsumerThreads(bus, admission).start()
+    served = wiring.served_model(gateway, backend.tokenizer)
+    app = wiring.build_gateway_app(gateway, bus, served, admission)
+    _announce(gateway, gateway.model_name, "serve", admission)
     try:
         _uvicorn(app, gateway)
     finally:
         worker.drain(worker_settings.drain_timeout_s)
+        consumers.stop()
+        admission.close()
 
 
 def gateway(
@@ -140,12 +160,15 @@ def gateway(
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-gateway")
-    app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings))
-    _announce(settings, settings.model_name, "gateway")
+    admission = wiring.open_tenancy(settings, embedded=False)
+    app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings), admission)
+    _announce(settings, settings.model_name, "gateway", admission)
     try:
         _uvicorn(app, settings)
     finally:
         bus.close()
+        if admission is not None:
+            admission.close()
 
 
 @worker_app.command("engine")
@@ -176,6 +199,45 @@ def worker_engine(
         bus.close()
 
 
+@worker_app.command("billing")
+def worker_billing(data_dir: DataDir = None) -> None:
+    """Run the billing consumer on Kafka: usage records → the usage ledger (SQL)."""
+    from consumers.billing import billing_loop
+    from consumers.loop import run_until_signalled
+    from sluice import wiring
+
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    _require_kafka(settings)
+    bus = wiring.make_bus(settings, client_id="sluice-billing")
+    ledger = wiring.billing_store(settings)
+    try:
+        run_until_signalled(billing_loop(bus, ledger))
+    finally:
+        bus.close()
+        ledger.db.close()
+
+
+@worker_app.command("quotas")
+def worker_quotas(data_dir: DataDir = None) -> None:
+    """Run the quotas consumer on Kafka: usage records → quota settlement in Redis."""
+    from consumers.loop import run_until_signalled
+    from consumers.quotas import quotas_loop
+    from sluice import wiring
+
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    _require_kafka(settings)
+    if not settings.redis_url:
+        typer.echo("the quotas worker settles in Redis: set SLUICE_REDIS_URL", err=True)
+        raise typer.Exit(2)
+    bus = wiring.make_bus(settings, client_id="sluice-quotas")
+    settler = wiring.quota_settler(settings)
+    try:
+        run_until_signalled(quotas_loop(bus, settler))
+    finally:
+        bus.close()
+        settler.quotas.close()
+
+
 def up(
     host: Host = None,
     port: Port = None,
@@ -187,7 +249,8 @@ def up(
     engine_workers: Annotated[int, typer.Option(min=1, help="Engine worker processes.")] = 1,
     restart: Annotated[bool, typer.Option(help="Restart a child that dies.")] = True,
 ) -> None:
-    """Run the distributed stack as local processes: gateway + N engine workers.
+    """Run the distributed stack as local processes: gateway, N engine workers, billing
+    (and quotas, with SLUICE_REDIS_URL).
 
     Uses SLUICE_KAFKA_BOOTSTRAP, or starts a Tansu broker when it is unset.
     """
@@ -203,7 +266,13 @@ def up(
         *_flags(host=settings.host, port=settings.port, api_key=settings.api_keys[0]),
     ]
     _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)")
-    code = run_up(gateway_flags, model_flags, engine_workers, settings.kafka_bootstrap, restart)
+    data_flags = _flags(data_dir=data_dir)
+    extra: list[tuple[str, list[str]]] = [("billing", ["worker", "billing", *data_flags])]
+    if settings.redis_url:
+        extra.append(("quotas", ["worker", "quotas", *data_flags]))
+    code = run_up(
+        gateway_flags, model_flags, engine_workers, settings.kafka_bootstrap, restart, extra
+    )
     raise typer.Exit(code)
 
 

@@ -1,9 +1,10 @@
 """`sluice up`: the distributed stack as local processes, supervised and stopped together.
 
-Starts a Tansu broker when no Kafka is configured, then one `sluice gateway …` and N
-`sluice worker engine …` processes, each its own OS process with the equivalent command
-line. A child that dies unexpectedly is restarted (with backoff); Ctrl-C or SIGTERM stops
-every child (SIGTERM first, so workers drain) and the broker.
+Starts a Tansu broker when no Kafka is configured, then one `sluice gateway …`, N
+`sluice worker engine …` and any extra workers (`sluice worker billing`, `… quotas`),
+each its own OS process with the equivalent command line. A child that dies
+unexpectedly is restarted (with backoff); Ctrl-C or SIGTERM stops every child (SIGTERM
+first, so workers drain) and the broker.
 """
 
 from __future__ import annotations
@@ -107,8 +108,13 @@ def run_up(
     engine_workers: int,
     kafka_bootstrap: str | None,
     restart: bool = True,
+    extra: Sequence[tuple[str, Sequence[str]]] = (),
 ) -> int:
-    """Run the stack until Ctrl-C/SIGTERM; returns the exit code."""
+    """Run the stack until Ctrl-C/SIGTERM; returns the exit code.
+
+    `extra`: more children as (name, `sluice` arguments), e.g. ("billing", ["worker",
+    "billing"]).
+    """
     env = dict(os.environ)
     broker: TansuBroker | None = None
     if not kafka_bootstrap:
@@ -121,6 +127,7 @@ def run_up(
         Child(f"engine-worker-{i}", sluice_argv("worker", "engine", *worker_args))
         for i in range(engine_workers)
     ]
+    children += [Child(name, sluice_argv(*args)) for name, args in extra]
     supervisor = Supervisor(children, env, restart=restart)
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:

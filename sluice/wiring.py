@@ -10,17 +10,24 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from api.app import create_app
 from api.served import ServedModel
-from bus.base import EventBus
+from billing.admission import AdmissionService, open_admission
+from billing.ledger import UsageLedger
+from bus.base import EventBus, TopicPartition
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from bus.topics import USAGE_TOPIC, TopicLayout
+from consumers.billing import billing_loop
 from consumers.engine_worker import EngineWorker, EngineWorkerConfig
+from consumers.loop import ConsumeLoop
 from consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
+from consumers.quotas import quotas_loop
 from sluice.settings import EngineWorkerSettings, GatewaySettings, ModelSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -129,5 +136,88 @@ def build_worker(settings: EngineWorkerSettings, bus: EventBus, backend: Any) ->
     )
 
 
-def build_gateway_app(settings: GatewaySettings, bus: EventBus, model: ServedModel) -> Any:
-    return create_app(settings, bus, [model])
+def build_gateway_app(
+    settings: GatewaySettings,
+    bus: EventBus,
+    model: ServedModel,
+    admission: AdmissionService | None = None,
+) -> Any:
+    return create_app(settings, bus, [model], admission=admission)
+
+
+def open_tenancy(settings: GatewaySettings, *, embedded: bool) -> AdmissionService | None:
+    """The tenant store and quota store the gateway admits against.
+
+    Embedded (`sluice serve`): the data dir's SQLite (migrated on first use; or
+    SLUICE_DATABASE_URL) and the in-process quota store. Distributed (`sluice gateway`):
+    only with SLUICE_DATABASE_URL (else static keys, no admission), quotas in Redis when
+    SLUICE_REDIS_URL is set (in-process otherwise: per gateway, not shared).
+    """
+    if not embedded and not settings.database_url:
+        return None
+    if not embedded and not settings.redis_url:
+        logger.warning("no SLUICE_REDIS_URL: quota limits are per gateway process")
+    return open_admission(
+        database_url=settings.database_url,
+        redis_url=None if embedded else settings.redis_url,
+        data_dir=settings.data_dir,
+        fallback_replicas=settings.gateway_replicas,
+    )
+
+
+def billing_store(settings: Settings) -> UsageLedger:
+    """The ledger the billing consumer writes: SLUICE_DATABASE_URL, else the data dir's SQLite."""
+    from billing.db import Database, embedded_url
+
+    url = settings.database_url or embedded_url(settings.data_dir)
+    return UsageLedger(Database.connect(url, migrate_if_needed=settings.database_url is None))
+
+
+def quota_settler(settings: Settings) -> Any:
+    """The quotas consumer's settler on Redis (SLUICE_REDIS_URL is required)."""
+    from billing.admission import UsageSettler
+    from billing.db import Database, embedded_url
+    from billing.prices import PriceBook, PriceCache
+    from billing.quota_redis import RedisQuotaStore
+
+    if not settings.redis_url:
+        raise ValueError("the quotas worker needs SLUICE_REDIS_URL")
+    url = settings.database_url or embedded_url(settings.data_dir)
+    db = Database.connect(url, migrate_if_needed=settings.database_url is None)
+    return UsageSettler(RedisQuotaStore(settings.redis_url), PriceCache(PriceBook(db)))
+
+
+class ConsumerThreads:
+    """The billing and quotas consumers as threads of `sluice serve` (memory bus)."""
+
+    def __init__(self, bus: EventBus, admission: AdmissionService) -> None:
+        self.bus = bus
+        self.loops: list[ConsumeLoop] = [
+            billing_loop(bus, UsageLedger(admission.auth.db)),
+            quotas_loop(bus, admission.settler),
+        ]
+        self.threads = [
+            threading.Thread(target=loop.run, name=f"sluice-{loop.group_id}", daemon=True)
+            for loop in self.loops
+        ]
+
+    def start(self) -> ConsumerThreads:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Let them catch up with the usage topic (memory bus), then stop them."""
+        end_offset = getattr(self.bus, "end_offset", None)
+        deadline = time.monotonic() + drain_timeout_s
+        if end_offset is not None:
+            partitions = range(self.bus.num_partitions(USAGE_TOPIC))
+            total = sum(end_offset(TopicPartition(USAGE_TOPIC, p)) for p in partitions)
+            while time.monotonic() < deadline and any(
+                loop.stats.handled < total for loop in self.loops
+            ):
+                time.sleep(0.05)
+        for loop in self.loops:
+            loop.stop()
+        for thread in self.threads:
+            thread.join(max(0.1, deadline - time.monotonic()) + 2.0)
