@@ -1,0 +1,193 @@
+"""The whole tenancy flow in one process: gateways → bus → engine worker → billing/quotas.
+
+Real parts throughout: N gateway apps (each with its own `AdmissionService`, on uvicorn
+loopback servers), the real `EngineWorker` over the deterministic `FakeEngineBackend`
+(gated, so a test can hold every admitted request in flight), the billing and quotas
+consumers, and a tap that keeps every `UsageRecord` the engine published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.app import create_app
+from billing.admission import AdmissionService
+from billing.db import Database
+from billing.keys import KeyAuthenticator
+from billing.ledger import UsageLedger
+from billing.prices import PriceBook, PriceCache
+from billing.quotas import QuotaStore
+from bus.codec import decode_as
+from bus.memory import MemoryEventBus
+from bus.messages import UsageRecord
+from bus.topics import USAGE_TOPIC, TopicLayout
+from consumers.billing import billing_loop
+from consumers.engine_worker import EngineWorkerConfig
+from consumers.loop import ConsumeLoop
+from consumers.quotas import quotas_loop
+from engine.backends.base import EngineDelta
+from tests.unit.api.conftest import gateway_settings
+from tests.unit.api.fakes import ServerThread, served_model
+from tests.unit.consumers.engine_fakes import FakeEngineBackend
+from tests.unit.consumers.engine_harness import WorkerThread
+
+MODEL = "tiny"
+
+
+class GatedBackend(FakeEngineBackend):
+    """Generates nothing until `gate` is set (aborts and deadlines still end requests)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self) -> list[EngineDelta]:
+        if self.gate.is_set():
+            return super().step()
+        return []
+
+
+class UsageTap:
+    """Every UsageRecord on the usage topic (its own consumer group)."""
+
+    def __init__(self, bus: MemoryEventBus) -> None:
+        self.records: list[UsageRecord] = []
+        self._consumer = bus.consumer(f"tap-{uuid.uuid4().hex[:8]}", [USAGE_TOPIC])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for record in self._consumer.poll(0.05, 500):
+                self.records.append(decode_as(UsageRecord, record.value))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._consumer.close()
+
+
+@dataclass
+class Stack:
+    bus: MemoryEventBus
+    db: Database
+    backend: GatedBackend
+    worker: WorkerThread
+    tap: UsageTap
+    loops: list[ConsumeLoop]
+    services: list[AdmissionService]
+    servers: list[ServerThread]
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.base_url for s in self.servers]
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.__exit__(None, None, None)
+        self.backend.gate.set()
+        self.worker.stop(10.0)
+        for loop in self.loops:
+            loop.stop()
+        for thread in self.threads:
+            thread.join(5)
+        self.tap.close()
+        for service in self.services:
+            service.quotas.close()
+        self.bus.close()
+
+
+def start_stack(
+    db: Database,
+    make_quotas: Callable[[], QuotaStore],
+    *,
+    gateways: int = 1,
+    **settings: Any,
+) -> Stack:
+    """`gateways` apps on one memory bus, each with its own quota store from `make_quotas`."""
+    bus = MemoryEventBus()
+    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    backend = GatedBackend(step_s=0.003, max_running=64)
+    config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, max_engine_waiting=256)
+    worker = WorkerThread(bus, backend, config).start()
+    tap = UsageTap(bus)
+    services = [
+        AdmissionService(KeyAuthenticator(db), make_quotas(), PriceCache(PriceBook(db), ttl_s=0.5))
+        for _ in range(gateways)
+    ]
+    loops = [billing_loop(bus, UsageLedger(db)), quotas_loop(bus, services[0].settler)]
+    threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+    values = {"api_keys": [], **settings}
+    servers = [
+        ServerThread(
+            create_app(gateway_settings(**values), bus, [served_model(MODEL)], admission=svc)
+        ).__enter__()
+        for svc in services
+    ]
+    return Stack(bus, db, backend, worker, tap, loops, services, servers, threads)
+
+
+class RedisProxy:
+    """A TCP proxy in front of Redis; `cut()` is the outage (listener and links closed)."""
+
+    def __init__(self, upstream_port: int = 6379) -> None:
+        self.upstream_port = upstream_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._links: list[socket.socket] = []
+        self._down = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._down.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self._links += [client, upstream]
+                if self._down.is_set():  # accepted while cut() ran: cut it too
+                    self._close_links()
+                    return
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        with self._lock:
+            self._down.set()
+            self._listener.close()
+            self._close_links()
+
+    def _close_links(self) -> None:
+        for link in self._links:
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
+            link.close()
