@@ -14,6 +14,7 @@ next owner starts as late as is safe.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -58,15 +59,31 @@ class LanePoller:
         self._commit_snapshot = commit_snapshot
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
+        self._early_controls: list[Record] = []
+        self.join_timeout_s = 30.0
 
     def open(self) -> None:
         self._control = self.bus.consumer(
             self.control_group_id, [CONTROL_TOPIC], offset_reset="latest"
         )
-        self._control.poll(0.0, 1)  # join now: a 'latest' position is taken at assignment
+        self._join_control()
         self._consumer = self.bus.consumer(
             self.group_id, self.topics, on_assign=self._assigned, on_revoke=self._revoked
         )
+
+    def _join_control(self) -> None:
+        """Join the control group before serving: its 'latest' position is taken at
+        assignment, so a cancel published before then would never be seen. Polling it
+        only with a zero timeout leaves the join unfinished (kafka-python), so wait here."""
+        control = self._control
+        assert control is not None
+        deadline = time.monotonic() + self.join_timeout_s
+        while not control.assignment() and time.monotonic() < deadline:
+            self._early_controls += control.poll(0.2, 500)
+        if not control.assignment():
+            logger.warning(
+                "group=%s not joined after %.0fs", self.control_group_id, self.join_timeout_s
+            )
 
     def _assigned(self, partitions: set[TopicPartition]) -> None:
         logger.info("group=%s assigned %s", self.group_id, sorted(partitions))
@@ -96,7 +113,8 @@ class LanePoller:
         result = PollResult()
         result.committed = self.commit(commits)
         self._reconcile_pause(consumer, pause)
-        result.controls = control.poll(0.0, 500)
+        result.controls = [*self._early_controls, *control.poll(0.0, 500)]
+        self._early_controls = []
         result.records = consumer.poll(timeout_s, max_records)
         result.assignment = consumer.assignment()
         # a rebalance inside poll() can clear pauses: reapply before the next fetch
