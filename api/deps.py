@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
 from api.auth import Principal
 from api.generation import Generation
-from api.prepare import Limits
-from api.served import ModelCatalog
+from api.prepare import Call, Limits, build_call, deadline_ms_for
+from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
 from api.tenancy import GatewayAdmission
-from bus.messages import GenerateRequest
+from bus.messages import GenerateRequest, SamplingSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,32 @@ class Gateway:
     sse_ping_s: float
     admission: GatewayAdmission | None = None
     admin_key: str | None = None
+
+    def call(
+        self,
+        headers: Mapping[str, str],
+        principal: Principal,
+        model: ServedModel,
+        prompts: Sequence[list[int]],
+        *,
+        n: int,
+        sampling: SamplingSpec,
+        service_tier: str | None,
+        call_id: str,
+    ) -> Call:
+        """A call's sub-requests, with this gateway's reply target, limits and deadline."""
+        return build_call(
+            principal=principal,
+            model=model,
+            prompts=prompts,
+            n=n,
+            sampling=sampling,
+            service_tier=service_tier,
+            deadline_ms=deadline_ms_for(headers, self.limits, int(time.time() * 1000)),
+            reply_to=self.service.gateway_id,
+            limits=self.limits,
+            call_id=call_id,
+        )
 
     async def submit(
         self,

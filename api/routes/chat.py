@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,16 +67,14 @@ def build(
     prompt_ids = prepare.render_chat(model, messages)
     sampling = _sampling(body, model, len(prompt_ids))
     prepare.check_prompt(model, prompt_ids, sampling.max_tokens, "messages")
-    call = prepare.build_call(
-        principal=principal,
-        model=model,
-        prompts=[prompt_ids],
+    call = gw.call(
+        request.headers,
+        principal,
+        model,
+        [prompt_ids],
         n=body.n,
         sampling=sampling,
         service_tier=body.service_tier,
-        deadline_ms=prepare.deadline_ms_for(request.headers, gw.limits, int(time.time() * 1000)),
-        reply_to=gw.service.gateway_id,
-        limits=gw.limits,
         call_id=call_id(request),
     )
     return call, model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,16 +51,14 @@ def build(
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
     )
-    call = prepare.build_call(
-        principal=principal,
-        model=model,
-        prompts=prompts,
+    call = gw.call(
+        request.headers,
+        principal,
+        model,
+        prompts,
         n=body.n,
         sampling=sampling,
         service_tier=body.service_tier,
-        deadline_ms=prepare.deadline_ms_for(request.headers, gw.limits, int(time.time() * 1000)),
-        reply_to=gw.service.gateway_id,
-        limits=gw.limits,
         call_id=call_id(request),
     )
     return call, model

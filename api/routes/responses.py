@@ -8,7 +8,6 @@ works unmodified. Closing the socket cancels the responses still running.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -69,16 +68,14 @@ def build(
         top_p=1.0 if body.top_p is None else body.top_p,
         max_tokens=max_tokens,
     )
-    return prepare.build_call(
-        principal=principal,
-        model=model,
-        prompts=[prompt_ids],
+    return gw.call(
+        headers,
+        principal,
+        model,
+        [prompt_ids],
         n=1,
         sampling=sampling,
         service_tier=body.service_tier,
-        deadline_ms=prepare.deadline_ms_for(headers, gw.limits, int(time.time() * 1000)),
-        reply_to=gw.service.gateway_id,
-        limits=gw.limits,
         call_id=cid,
     )
 
