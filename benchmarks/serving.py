@@ -1,0 +1,219 @@
+"""`sluice bench serving`: the same engine called directly and through the Kafka pipeline.
+
+One seeded workload (prompt U[16,128], output U[16,96] tokens, EOS ignored so lengths
+are exact) at a sweep of Poisson request rates from light to saturating, run on the
+direct arm (`TorchEngineBackend` in this process) and the pipeline arm (the gateway's
+`GatewayService` here → Kafka lane topic → an `EngineWorker` in another process → the
+reply topic), arms interleaved per rate: TTFT, inter-token latency (gaps between
+deliveries) and tokens/s p50/p99, with pipeline - direct and pipeline / direct. In the
+same run, over the same broker and client settings: the bus's own request → echo →
+reply round trip; a priority run (interactive TTFT beside a saturating batch backlog vs
+alone) and a fairness run (tenant A sends 10x tenant B's requests, equal weights).
+
+`python -m benchmarks.serving [--quick] [--kafka BOOTSTRAP] [--json]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from benchmarks import serving_procs as procs
+from benchmarks import serving_runs as runs
+from benchmarks.stats import ratio
+from bus.kafka import KafkaEventBus
+from bus.tansu import TansuBroker
+from bus.topics import TopicLayout
+
+TARGETS = {
+    "throughput_ratio_min": 0.90,
+    "added_ttft_p50_ms_max": 15.0,
+    "added_ttft_p99_vs_bus_rtt_p99_max": 1.25,
+    "interactive_ttft_p99_loaded_vs_unloaded_max": 1.5,
+    "fairness_b_share_min": 0.45,
+}
+
+
+def _sweep_plan(quick: bool) -> list[tuple[float, int]]:
+    """(requests/s, requests): light to saturating (~60 req/s is the engine's capacity)."""
+    if quick:
+        return [(10.0, 60), (80.0, 160)]
+    return [(8.0, 80), (20.0, 200), (40.0, 240), (80.0, 240)]
+
+
+async def _sweep_point(
+    direct: runs.DirectClient, pipeline: runs.PipelineClient, rate: float, n: int, seed: int
+) -> dict[str, Any]:
+    specs = runs.workload("sw", n, (16, 128), (16, 96), seed)
+    offsets = runs.poisson_offsets(n, rate, seed)
+    row: dict[str, Any] = {"rate_per_s": rate, "requests": n}
+    for name, client in (("direct", direct), ("pipeline", pipeline)):
+        fresh = [runs.Spec(f"{name}-{s.request_id}", s.prompt, s.max_tokens) for s in specs]
+        row[name] = runs.summarize(await runs.open_loop(client, fresh, offsets))
+        await asyncio.sleep(0.5)
+    d, p = row["direct"], row["pipeline"]
+    row["added_ttft_p50_ms"] = round(p["ttft_p50_ms"] - d["ttft_p50_ms"], 2)
+    row["added_ttft_p99_ms"] = round(p["ttft_p99_ms"] - d["ttft_p99_ms"], 2)
+    row["added_itl_p50_ms"] = round(p["itl_p50_ms"] - d["itl_p50_ms"], 2)
+    row["added_itl_p99_ms"] = round(p["itl_p99_ms"] - d["itl_p99_ms"], 2)
+    row["throughput_ratio"] = ratio(p["tokens_per_s"], d["tokens_per_s"])
+    return row
+
+
+async def _warm_up(client: runs.Client) -> None:
+    specs = runs.workload("warm", 8, (16, 64), (8, 8), 1)
+    await runs.open_loop(client, specs, [0.0] * len(specs))
+
+
+async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, Any]:
+    from engine.backends.torch_backend import TorchEngineBackend
+
+    procs.set_threads()
+    worker = procs.start_worker(bootstrap, data_dir, f"bench-engine-{uuid.uuid4().hex[:8]}")
+    bus = KafkaEventBus(procs.kafka_config(bootstrap, "sluice-bench-gateway"))
+    direct: runs.DirectClient | None = None
+    pipeline: runs.PipelineClient | None = None
+    try:
+        backend = TorchEngineBackend.from_model(
+            "tiny-llama", config=procs.engine_config(), data_dir=data_dir
+        )
+        direct = runs.DirectClient(backend)
+        await direct.start()
+        await asyncio.to_thread(worker.wait_ready, 120.0)
+        bus.create_topics(TopicLayout().specs())
+        pipeline = runs.PipelineClient(bus)
+        await pipeline.start()
+        await _warm_up(direct)
+        await _warm_up(pipeline)
+        result: dict[str, Any] = {}
+        rtt_n = 200 if quick else 600
+        result["bus_round_trip"] = await asyncio.to_thread(
+            procs.bus_round_trip, bootstrap, rtt_n, 50.0
+        )
+        result["sweep"] = [
+            await _sweep_point(direct, pipeline, rate, n, seed=100 + i)
+            for i, (rate, n) in enumerate(_sweep_plan(quick))
+        ]
+        result["priority"] = await runs.priority_run(pipeline, quick)
+        result["fairness"] = await runs.fairness_run(pipeline, quick)
+        return result
+    finally:
+        if pipeline is not None:
+            await pipeline.close()
+        if direct is not None:
+            direct.close()
+        await asyncio.to_thread(worker.close)
+        bus.close()
+
+
+def _checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    sweep, rtt = result["sweep"], result["bus_round_trip"]
+    worst_p99 = max(row["added_ttft_p99_ms"] for row in sweep)
+    checks = {
+        "throughput_ratio_min": min(row["throughput_ratio"] for row in sweep),
+        "added_ttft_p50_ms_max": max(row["added_ttft_p50_ms"] for row in sweep),
+        "added_ttft_p99_vs_bus_rtt_p99_max": ratio(worst_p99, rtt["p99_ms"]),
+        "interactive_ttft_p99_loaded_vs_unloaded_max": result["priority"]["ttft_p99_ratio"],
+        "fairness_b_share_min": result["fairness"]["b_share"],
+    }
+    out = {}
+    for name, value in checks.items():
+        target = TARGETS[name]
+        ok = value >= target if name.endswith("_min") else value <= target
+        out[name] = {"value": value, "target": target, "ok": bool(ok)}
+    out["priority_backlog_held"] = {
+        "value": result["priority"]["batch_left_at_window_end"],
+        "target": "> 0 (else the engine was not saturated the whole window)",
+        "ok": bool(result["priority"]["backlog_held"]),
+    }
+    return out
+
+
+def run(
+    quick: bool = False, kafka_bootstrap: str | None = None, data_dir: Any = None
+) -> dict[str, Any]:
+    """The whole benchmark; starts a Tansu when no bootstrap is given."""
+    from engine.loader import default_data_dir
+
+    data_dir = str(data_dir or default_data_dir())
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        broker = "tansu (started for this run)"
+        if kafka_bootstrap is None:
+            kafka_bootstrap = stack.enter_context(TansuBroker()).bootstrap
+        else:
+            broker = kafka_bootstrap
+        result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir))
+    result["kafka_broker"] = broker
+    result["model"] = "tiny-llama"
+    result["quick"] = quick
+    result["checks"] = _checks(result)
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    head = (
+        f"{'req/s':>6} {'arm':<9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
+        f"{'tok/s':>8} {'done':>8}"
+    )
+    lines = [f"model {result['model']}, broker {result['kafka_broker']}", head]
+    for row in result["sweep"]:
+        for arm in ("direct", "pipeline"):
+            r = row[arm]
+            lines.append(
+                f"{row['rate_per_s']:>6.0f} {arm:<9} {r['ttft_p50_ms']:>9.1f}"
+                f" {r['ttft_p99_ms']:>8.1f} {r['itl_p50_ms']:>8.1f} {r['itl_p99_ms']:>8.1f}"
+                f" {r['tokens_per_s']:>8.0f}"
+                f" {r['completed']:>4}/{r['requests']:<3}"
+            )
+        lines.append(
+            f"{'':>6} {'Δ / ratio':<9} {row['added_ttft_p50_ms']:>+9.1f} "
+            f"{row['added_ttft_p99_ms']:>+8.1f} {row['added_itl_p50_ms']:>+8.1f} "
+            f"{row['added_itl_p99_ms']:>+8.1f} {row['throughput_ratio']:>7.3f}x"
+        )
+    rtt = result["bus_round_trip"]
+    lines.append(
+        f"bus round trip (request→echo→reply, {rtt['received']}/{rtt['messages']}): "
+        f"p50 {rtt['p50_ms']} ms, p99 {rtt['p99_ms']} ms"
+    )
+    pr = result["priority"]
+    lines.append(
+        f"priority: interactive TTFT p50/p99 unloaded {pr['unloaded']['ttft_p50_ms']}/"
+        f"{pr['unloaded']['ttft_p99_ms']} ms, beside a batch backlog "
+        f"{pr['loaded']['ttft_p50_ms']}/{pr['loaded']['ttft_p99_ms']} ms "
+        f"(batch {pr['batch_tokens_per_s_in_window']} tok/s, "
+        f"{pr['batch_left_at_window_end']}/{pr['batch_backlog']} left)"
+    )
+    fa = result["fairness"]
+    lines.append(
+        f"fairness: B share {fa['b_share']} of {fa['tokens_a'] + fa['tokens_b']} tokens "
+        f"over {fa['window_s']} s (A {fa['tenant_a_requests']} req, B {fa['tenant_b_requests']})"
+    )
+    for name, check in result["checks"].items():
+        mark = "ok  " if check["ok"] else "MISS"
+        lines.append(f"[{mark}] {name}: {check['value']} (target {check['target']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 rates, fewer requests (~2 min)")
+    parser.add_argument("--kafka", default=None, help="Kafka bootstrap; default: start a Tansu")
+    parser.add_argument("--data-dir", default=None, type=Path, help="where tiny-llama lives")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick, kafka_bootstrap=args.kafka, data_dir=args.data_dir)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""`sluice bench serving`, its other processes: the engine worker and the bus echo.
+
+Distributed mode runs the gateway and the engine worker as separate processes, so the
+benchmark does too (spawned, each with its own interpreter and GIL): one `EngineWorker`
+over the same engine config and model as the direct arm, and an echo that republishes
+each message of one topic to another, which gives the transport's own request→reply
+round trip over the same broker with the same client settings.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event as MpEvent
+from typing import Any
+
+from benchmarks.stats import percentile
+from bus.base import TopicSpec
+from bus.kafka import KafkaConfig, KafkaEventBus
+from bus.topics import TopicLayout
+
+
+def kafka_config(bootstrap: str, client_id: str) -> KafkaConfig:
+    """The client settings every party of the benchmark uses (the bus defaults)."""
+    return KafkaConfig(bootstrap=bootstrap, client_id=client_id)
+
+
+def engine_config() -> Any:
+    """One engine config for both arms: the worker's defaults, priority scheduling.
+
+    Priority scheduling is what the worker's lane → priority mapping relies on
+    (`consumers.worker_requests.LANE_PRIORITY`); fcfs would ignore it.
+    """
+    from engine.config import EngineConfig
+
+    return EngineConfig(scheduling_policy="priority")
+
+
+def set_threads() -> None:
+    import torch
+
+    torch.set_num_threads(2)
+
+
+def _worker_main(
+    bootstrap: str, data_dir: str, group_id: str, ready: MpEvent, stop: MpEvent
+) -> None:
+    set_threads()
+    from consumers.engine_worker import EngineWorker, EngineWorkerConfig
+    from consumers.progress import MemoryProgressStore
+    from engine.backends.torch_backend import TorchEngineBackend
+
+    bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-worker"))
+    bus.create_topics(TopicLayout().specs())
+    backend = TorchEngineBackend.from_model("tiny-llama", config=engine_config(), data_dir=data_dir)
+    worker = EngineWorker(
+        bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
+    )
+    thread = threading.Thread(target=worker.run, name="bench-worker", daemon=True)
+    thread.start()
+    if worker.wait_ready(60.0):
+        ready.set()
+    stop.wait()
+    worker.drain(5.0)
+    bus.close()
+
+
+def _echo_main(
+    bootstrap: str, topic_in: str, topic_out: str, ready: MpEvent, stop: MpEvent
+) -> None:
+    bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-echo"))
+    consumer = bus.consumer(f"echo-{uuid.uuid4().hex[:8]}", [topic_in], offset_reset="latest")
+    try:
+        while not stop.is_set():
+            records = consumer.poll(0.1, 500)
+            if consumer.assignment():
+                ready.set()
+            for record in records:
+                bus.publish(topic_out, record.value, key=record.key)
+    finally:
+        consumer.close()
+        bus.close()
+
+
+@dataclass(slots=True)
+class Child:
+    """A spawned process with a ready and a stop event."""
+
+    process: Any
+    ready: MpEvent
+    stop: MpEvent
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{self.process.name} did not become ready")
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        self.stop.set()
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5.0)
+
+
+def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    process = ctx.Process(target=target, args=(*args, ready, stop), name=name, daemon=True)
+    process.start()
+    return Child(process, ready, stop)
+
+
+def start_worker(bootstrap: str, data_dir: str, group_id: str) -> Child:
+    return spawn("sluice-bench-worker", _worker_main, bootstrap, data_dir, group_id)
+
+
+def bus_round_trip(bootstrap: str, count: int, rate_per_s: float) -> dict[str, Any]:
+    """Request → echo (another process) → reply over the same broker, paced, p50/p99."""
+    run = uuid.uuid4().hex[:8]
+    topic_in, topic_out = f"bench.echo.{run}.in.v1", f"bench.echo.{run}.out.v1"
+    bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-rtt"))
+    bus.create_topics([TopicSpec(topic_in, 1), TopicSpec(topic_out, 1)])
+    echo = spawn("sluice-bench-echo", _echo_main, bootstrap, topic_in, topic_out)
+    arrivals: dict[int, int] = {}
+    listening, done = threading.Event(), threading.Event()
+
+    def listen() -> None:
+        consumer = bus.consumer(f"rtt-{run}", [topic_out], offset_reset="latest")
+        try:
+            while not done.is_set():
+                records = consumer.poll(0.1, 500)
+                now = time.perf_counter_ns()
+                if consumer.assignment():
+                    listening.set()
+                for record in records:
+                    arrivals[int(record.value[:20])] = now
+        finally:
+            consumer.close()
+
+    thread = threading.Thread(target=listen, name="bench-rtt", daemon=True)
+    thread.start()
+    try:
+        echo.wait_ready(60.0)
+        listening.wait(60.0)
+        time.sleep(1.0)  # both positions resolved ("latest") before the first message
+        sent: dict[int, int] = {}
+        filler = b"x" * 492  # ~ the size of a GenerateRequest
+        for i in range(count + 20):  # the first 20 warm the path up, not measured
+            sent[i] = time.perf_counter_ns()
+            bus.publish(topic_in, f"{i:020d}".encode() + filler, key=b"bench")
+            time.sleep(1.0 / rate_per_s)
+        deadline = time.monotonic() + 10.0
+        while len(arrivals) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        done.set()
+        thread.join(5.0)
+        echo.close()
+        bus.close()
+    rtt_ms = [(arrivals[i] - sent[i]) / 1e6 for i in range(20, count + 20) if i in arrivals]
+    return {
+        "messages": count,
+        "received": len(rtt_ms),
+        "rate_per_s": rate_per_s,
+        "p50_ms": round(percentile(rtt_ms, 50), 2),
+        "p99_ms": round(percentile(rtt_ms, 99), 2),
+        "max_ms": round(max(rtt_ms), 2) if rtt_ms else None,
+    }
