@@ -35,6 +35,21 @@ def kafka_bootstrap() -> Iterator[str]:
         broker.stop()
 
 
+@pytest.fixture(scope="module")
+def dedicated_kafka() -> Iterator[str]:
+    """A Tansu broker of this test module's own, for tests that create Sluice's fixed
+    topic names (`sluice.requests.*`, …) with their own partition counts: on a shared
+    broker the first test to create a topic fixes its partitions for everyone."""
+    try:
+        broker = TansuBroker().start()
+    except Exception as exc:
+        service_missing(f"could not start Tansu: {exc}")
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
 @pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
 def bus(request: pytest.FixtureRequest) -> Iterator[EventBus]:
     """The same tests, the same assertions, both transports."""

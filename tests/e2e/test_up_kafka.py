@@ -53,7 +53,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(
-    data_dir: Path, kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+    data_dir: Path, dedicated_kafka: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     import redis
 
@@ -65,7 +65,7 @@ def stack(
     log = tmp_path_factory.mktemp("up") / "up.log"
     args = [*serving_args("up", port, data_dir), "--engine-workers", "2"]
     env = {
-        "SLUICE_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "SLUICE_KAFKA_BOOTSTRAP": dedicated_kafka,
         "SLUICE_REDIS_URL": REDIS_URL,
         "SLUICE_ENGINE_GROUP_ID": f"engine-e2e-{uuid.uuid4().hex[:6]}",
     }
@@ -73,8 +73,8 @@ def stack(
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc)
-        _wait_for_workers(Stack(base, proc, kafka_bootstrap))
-        yield Stack(base, proc, kafka_bootstrap)
+        _wait_for_workers(Stack(base, proc, dedicated_kafka))
+        yield Stack(base, proc, dedicated_kafka)
     finally:
         code = proc.stop()
     assert code == 0, proc.output()[-3000:]

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.fixture
-def kafka_bus(kafka_bootstrap: str) -> Iterator[KafkaEventBus]:
-    bus = KafkaEventBus(KafkaConfig(bootstrap=kafka_bootstrap, client_id="sluice-api-test"))
+def kafka_bus(dedicated_kafka: str) -> Iterator[KafkaEventBus]:
+    bus = KafkaEventBus(KafkaConfig(bootstrap=dedicated_kafka, client_id="sluice-api-test"))
     bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
     yield bus
     bus.close()

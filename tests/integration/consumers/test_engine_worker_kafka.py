@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.fixture
-def kafka_bus(kafka_bootstrap: str) -> Iterator[KafkaEventBus]:
-    bus = KafkaEventBus(KafkaConfig(bootstrap=kafka_bootstrap, client_id="sluice-engine-test"))
+def kafka_bus(dedicated_kafka: str) -> Iterator[KafkaEventBus]:
+    bus = KafkaEventBus(KafkaConfig(bootstrap=dedicated_kafka, client_id="sluice-engine-test"))
     create_topics(bus, request_partitions=2)
     yield bus
     bus.close()
