@@ -149,8 +149,9 @@ class AdmissionBuffer(Generic[T]):
                 best, best_deficit = lane, deficit
         return best  # the lane furthest below its share, else the most urgent one
 
-    def pop(self) -> T | None:
-        lane = self._next_lane()
+    def pop(self, lane: str | None = None) -> T | None:
+        """The next item: of the lane `_next_lane` picks, or of `lane` when given."""
+        lane = lane if lane is not None else self._next_lane()
         if lane is None:
             return None
         item = self._lanes[lane].pop()

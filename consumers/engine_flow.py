@@ -30,7 +30,12 @@ from consumers.engine_publisher import StepPublisher
 from consumers.loop import publish_dead_letter
 from consumers.offsets import OffsetTracker
 from consumers.progress import AttemptStart, ProgressStore
-from consumers.worker_requests import deadline_to_monotonic, engine_request, is_expired
+from consumers.worker_requests import (
+    LANE_PRIORITY,
+    deadline_to_monotonic,
+    engine_request,
+    is_expired,
+)
 from engine.backends.base import (
     EngineBackend,
     EngineDeadError,
@@ -235,11 +240,40 @@ class RequestFlow:
                 break
             item.state = ItemState.STARTING
             batch.append(item)
+        self._admit_urgent(batch)
         if batch:
             self.num_in_engine += len(batch)
             for item in batch:
                 item.in_engine = True
             self._spawn(self._start(batch))
+
+    def _admit_urgent(self, batch: list[WorkItem]) -> None:
+        """The most urgent lane passes an engine queue full of less urgent work.
+
+        Under a saturating batch backlog the engine's waiting queue stays full of batch
+        requests (preempted ones go back to it) that only leave as running ones finish,
+        so the lane-blind `engine_full` would hold an interactive request for seconds.
+        The engine's priority scheduling serves it first (and preempts for it), so it may
+        enter while fewer than `max_engine_waiting` requests of its own lane are in the
+        engine; `max_in_engine` and `max_kv_usage` still hold.
+        """
+        lane = min((lane.value for lane in self.config.lanes), key=lambda v: LANE_PRIORITY[v])
+        if not self._buffer.count(lane):
+            return
+        config = self.config
+        urgent = sum(1 for i in self._items.values() if i.in_engine and i.lane == lane)
+        urgent += sum(1 for i in batch if i.lane == lane)
+        while self._buffer.count(lane) and urgent < config.max_engine_waiting:
+            if self.num_in_engine + len(batch) >= config.max_in_engine:
+                return
+            if self.backend.stats().kv_usage >= config.max_kv_usage:
+                return
+            item = self._buffer.pop(lane)
+            if item is None:
+                return
+            item.state = ItemState.STARTING
+            batch.append(item)
+            urgent += 1
 
     async def _begin(self, items: list[WorkItem]) -> list[AttemptStart]:
         requests = [(i.request_id, i.request.attempt) for i in items]

@@ -134,6 +134,36 @@ def bench_engine(
         typer.echo(render(result))
 
 
+@bench_app.command("serving")
+def bench_serving(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 2 min).")] = False,
+    kafka: Annotated[
+        str | None,
+        typer.Option(
+            help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."
+        ),
+    ] = None,
+) -> None:
+    """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
+
+    Over a request-rate sweep on tiny-llama; plus the bus round trip, a priority run
+    (interactive beside a saturating batch backlog) and a fairness run (10:1 tenants).
+    """
+    from benchmarks.serving import render, run
+
+    settings = settings_or_exit(Settings)
+    result = run(
+        quick=quick,
+        kafka_bootstrap=kafka or settings.kafka_bootstrap,
+        data_dir=str(settings.data_dir),
+    )
+    if as_json:
+        emit_json(result)
+    else:
+        typer.echo(render(result))
+
+
 def main() -> None:
     app(prog_name="sluice")
 

@@ -108,6 +108,9 @@ def build_backend(settings: Settings) -> Any:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=served_max_model_len(settings, path),
+        # the worker maps lanes to priorities (consumers.worker_requests.LANE_PRIORITY);
+        # only this policy honours them, and preempts batch work for interactive
+        scheduling_policy="priority",
     )
     return TorchEngineBackend.from_model(
         path, config=config, data_dir=settings.data_dir, quantization=settings.quantization
