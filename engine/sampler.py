@@ -42,12 +42,12 @@ class Sampler:
         greedy = [p.temperature == 0.0 for p in params]
         tokens = torch.empty(n, dtype=torch.int64)
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
             g_rows = [i for i in range(n) if greedy[i]]
             if g_rows:
                 idx = torch.tensor(g_rows)
-                tokens[idx] = logits[idx].argmax(dim=-1)
+                tokens[idx] = _argmax(logits[idx])
             s_rows = [i for i in range(n) if not greedy[i]]
             idx = torch.tensor(s_rows)
             probs = _processed_probs(logits[idx], [params[i] for i in s_rows])
@@ -68,6 +68,14 @@ class Sampler:
                 logprobs[i] = chosen[j]
                 tops[i] = list(zip(top_i_l[j][:k], top_v_l[j][:k], strict=True))
         return SamplerOutput(token_list, logprobs, tops)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax (first maximum, like torch). On CPU through numpy: torch's CPU argmax is
+    scalar code, ~28 µs for one 32000-wide row vs ~3 µs."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -128,6 +128,12 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
 
 
+def _rotations(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[T, head_dim/2] complex64 rotations e^(i * position * inv_freq)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
 def interleave_rope_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder a q/k projection's output rows per head from half-split to interleaved pairs."""
     rest = w.shape[1:]
@@ -158,31 +164,48 @@ class DecoderLayer(nn.Module):
         self.compute_dtype = torch.float32  # set by LlamaForCausalLM.set_dtype
 
     def forward(
-        self,
-        h: torch.Tensor,
-        rope: torch.Tensor,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        # hot path: linears are called through .forward to skip nn.Module hook dispatch
+        # hot path, once per layer per step: linears are called through .forward (no
+        # nn.Module hook dispatch), the residual stream h is updated in place (it is this
+        # forward's own tensor), and each line is as few torch ops as it can be (~3-10 µs each)
         t = h.shape[0]
-        # the residual stream h and the norms stay fp32 (fewer casts inside rms_norm on
-        # CPU, and HF-like norm precision); matmul inputs are cast to the compute dtype
-        x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps).to(self.compute_dtype)
+        q_size, qk_size = self.q_size, self.q_size + self.kv_size
+        # the residual stream h and the norms stay fp32 (HF-like norm precision); matmul
+        # inputs are cast to the compute dtype
+        x = rms_norm(h, self.input_layernorm, self.eps, self.compute_dtype)
         qkv = self.qkv_proj.forward(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim // 2, 2)
-        qk = torch.view_as_real(torch.view_as_complex(qk.float()) * rope).to(qkv.dtype)
-        q = qk[:, : self.num_heads].view(t, self.num_heads, self.head_dim)
-        k = qk[:, self.num_heads :].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.sliding_window)
-        h = h + self.o_proj.forward(attn.reshape(t, self.q_size))
-        x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
-        x = x.to(self.compute_dtype)
+        # RoPE on q|k in fp32 (one complex multiply), written back into qkv with the cast
+        qk = qkv[:, :qk_size]
+        rot = torch.view_as_complex(qk.float().view(t, -1, self.head_dim // 2, 2)) * rope
+        qk.copy_(torch.view_as_real(rot).view(t, qk_size))
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
+        h = h.add_(self.o_proj.forward(attn.reshape(t, q_size)))
+        x = rms_norm(h, self.post_attention_layernorm, self.eps, self.compute_dtype)
         gu = self.gate_up_proj.forward(x)
-        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        return h + self.down_proj.forward(act)
+        act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
+        return h.add_(self.down_proj.forward(act))
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """`F.rms_norm(h, weight, eps).to(dtype)` in six torch ops instead of ~nine.
+
+    torch's CPU rms_norm is composite (pow, sum, div, add, rsqrt, mul, mul); here the sum
+    of squares is one vector_norm, scaled and offset by one addcmul. Equal to F.rms_norm up
+    to float rounding (sqrt then square).
+    """
+    key = (eps, h.dtype, h.device)
+    eps_t = _EPS.get(key)
+    if eps_t is None:
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference
+            eps_t = _EPS[key] = torch.tensor(eps, dtype=h.dtype, device=h.device)
+    n = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+    r = torch.addcmul(eps_t, n, n, value=1.0 / h.shape[-1]).rsqrt_()
+    return (h * weight).mul_(r).to(dtype)
+
+
+_EPS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}  # eps as 0-dim tensors
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,29 +223,49 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_cache: torch.Tensor | None = None  # see cache_rope
         self.compute_dtype = torch.float32
 
     def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
-        """Complex rotations for `positions`, shaped [T, 1, head_dim/2] (once per step)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+        """Complex rotations for `positions`, shaped [T, 1, head_dim/2] (once per step).
+
+        Read from the `cache_rope` table when there is one (one index_select instead of four
+        ops; out-of-range positions raise), else computed.
+        """
+        cache = self._rope_cache
+        if cache is not None:
+            return cache.index_select(0, positions)[:, None, :]
+        return _rotations(positions, self.inv_freq)[:, None, :]
+
+    def cache_rope(self, max_positions: int) -> None:
+        """Precompute the rotations of positions [0, max_positions) (complex64, 8 B each).
+
+        Call after the model has its final device and dtype; the runner does, with
+        max_model_len. Identical values to computing them per step. Skipped (computed per
+        step) when the table would pass 64 MiB.
+        """
+        if max_positions * (self.config.head_dim // 2) * 8 > 64 << 20:
+            return
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        self._rope_cache = _rotations(positions, self.inv_freq)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        """kv_caches: per layer `[num_blocks, block_size, 2, kv_heads, head_dim]` (K, V)."""
         h = self.embed_tokens.forward(input_ids).float()
         rope = self.rope_table(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer.forward(h, rope, meta, k_cache, v_cache)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer.forward(h, rope, meta, kv_cache)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return self.lm_head.forward(x.to(self.compute_dtype)).float()
+        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps, self.compute_dtype)
+        return self.lm_head.forward(x).float()
 
     def set_dtype(self, dtype: torch.dtype) -> LlamaForCausalLM:
         """Weights in `dtype`; norm weights (and the residual stream) stay fp32."""

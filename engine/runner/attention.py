@@ -1,17 +1,19 @@
 """Paged attention in plain PyTorch: KV slot writes plus one batched SDPA per request group.
 
 Called by every decoder layer in `engine.models.llama`; its metadata is built once per step by
-`engine.runner.inputs`. Layout (research/engine.md §4): each layer's K and V cache is a
-`[num_blocks, block_size, num_kv_heads, head_dim]` tensor; new K/V go in by `index_copy_`
-through the flat slot view, then each group gathers its padded block table in one
-`index_select` and runs one SDPA call.
+`engine.runner.inputs`. Layout (research/engine.md §4): each layer has one KV cache tensor
+`[num_blocks, block_size, 2, num_kv_heads, head_dim]` (K then V per slot), so this step's K|V
+rows (adjacent in the fused qkv output) go in with one `index_copy_` through the flat slot
+view, and each group gathers K and V of its padded block table with one `index_select` and
+runs one SDPA call. (One op each instead of two: every op costs ~3-10 µs per layer on CPU.)
 
 Rows come in two groups: decode rows (one query token per request, first in the flat batch)
 and prefill rows (chunks, padded to the longest chunk). GQA is done by folding the query
 heads that share a KV head into extra query rows (`[B, Hkv, G*Q, D]`) rather than
 `enable_gqa=True`, which is several times slower in bf16 on CPU. Masks are additive,
 lower-right causal (never `is_causal=True`, which is top-left aligned: §4.5), and apply the
-sliding window when the layer has one.
+sliding window when the layer has one. A group of one decoding request (`num_keys` set) needs
+no mask: its keys are sliced to exactly the positions it may see.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class AttentionGroup:
     block_index: torch.Tensor  # [P * kv_len / block_size] physical blocks, 0 = null block
     pad_index: torch.Tensor | None  # [num_rows] rows in the padded [P*q_len] layout; None = none
     query_pos: torch.Tensor  # [P, q_len] absolute position of each (padded) query
+    num_keys: int | None = None  # one decoding request: it sees keys [0, num_keys), no mask
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
 
 
@@ -75,35 +78,31 @@ def build_mask(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""
-    nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    """q [T, Hq, D] and kv [T, 2*Hkv*D] (K then V) for this step's tokens -> [T, Hq, D]."""
+    nb, bs = kv_cache.shape[:2]
+    kv_cache.view(nb * bs, kv.shape[1]).index_copy_(0, meta.slot_mapping, kv)
     if len(meta.groups) == 1 and meta.groups[0].num_rows == q.shape[0]:
-        return _group_attention(q, k_cache, v_cache, meta, meta.groups[0], window)
+        return _group_attention(q, kv_cache, meta, meta.groups[0], window)
     out = torch.empty_like(q)
     for grp in meta.groups:
         rows = slice(grp.row_start, grp.row_start + grp.num_rows)
-        out[rows] = _group_attention(q[rows], k_cache, v_cache, meta, grp, window)
+        out[rows] = _group_attention(q[rows], kv_cache, meta, grp, window)
     return out
 
 
 def _group_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     grp: AttentionGroup,
     window: int | None,
 ) -> torch.Tensor:
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     hq = q.shape[1]
     g = hq // hkv
     p, ql, kl = grp.num_requests, grp.q_len, grp.kv_len
@@ -111,11 +110,18 @@ def _group_attention(
         qp = q.new_zeros(p * ql, hq, d)
         qp.index_copy_(0, grp.pad_index, q)
         q = qp
-    k = k_cache.index_select(0, grp.block_index).view(p, kl, hkv, d).transpose(1, 2)
-    v = v_cache.index_select(0, grp.block_index).view(p, kl, hkv, d).transpose(1, 2)
+    kv = kv_cache.index_select(0, grp.block_index).view(p, kl, 2, hkv, d)
+    mask: torch.Tensor | None = None
+    if grp.num_keys is not None:  # one decoding request: its exact keys, no mask
+        end = grp.num_keys
+        start = 0 if window is None else max(0, end - window)
+        kv = kv[:, start:end]
+    else:
+        mask = meta.mask(grp, window)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
     # fold the G query heads of each KV head into query rows: [P, Hkv, G*Q, D]
     qg = q.view(p, ql, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p, hkv, g * ql, d)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask(grp, window))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     out = out.view(p, hkv, g, ql, d).permute(0, 3, 1, 2, 4).reshape(p * ql, hq, d)
     if grp.pad_index is not None:
         out = out.index_select(0, grp.pad_index)

@@ -23,7 +23,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] rows whose hidden state is sampled
+    logits_indices: torch.Tensor | None  # [N] rows whose hidden state is sampled; None = all
     sampling: list[ScheduledRequest]  # the N requests that sample, scheduler order
 
 
@@ -66,6 +66,7 @@ def prepare_inputs(
                 block_index=torch.from_numpy(table.reshape(-1)).to(device),
                 pad_index=None,
                 query_pos=torch.from_numpy(qpos).to(device),
+                num_keys=pos[0] + 1 if len(decodes) == 1 else None,
             )
         )
     if prefills:
@@ -74,6 +75,7 @@ def prepare_inputs(
         )
 
     logits_rows = [last_row[s.request_id] for s in sched.scheduled if s.sample]
+    every_row = len(logits_rows) == len(ids) and logits_rows == list(range(len(ids)))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         groups=groups,
@@ -84,7 +86,9 @@ def prepare_inputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int64, device=device),
         meta=meta,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_indices=None
+        if every_row  # e.g. pure decode: no gather needed
+        else torch.tensor(logits_rows, dtype=torch.int64, device=device),
         sampling=[s for s in sched.scheduled if s.sample],
     )
 

@@ -39,8 +39,8 @@ def pack_linears_enabled(config: EngineConfig) -> bool:
 class ModelRunner:
     """Runs `model` (already on `config.device` in `config.dtype`) over a paged KV cache.
 
-    KV cache: per layer one K and one V tensor `[num_kv_blocks, block_size, kv_heads,
-    head_dim]`, block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
+    KV cache: per layer one tensor `[num_kv_blocks, block_size, 2, kv_heads, head_dim]` (K
+    then V), block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
     """
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
@@ -62,14 +62,13 @@ class ModelRunner:
         per_block = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads
         self.bytes_per_block = per_block * mc.head_dim * itemsize
         self.num_kv_blocks = config.resolve_num_kv_blocks(self.bytes_per_block)
-        shape = (self.num_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        # K and V of a slot side by side: one write and one gather per layer (attention.py)
+        shape = (self.num_kv_blocks, self.block_size, 2, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(mc.num_hidden_layers)
         ]
+        model.cache_rope(config.max_model_len)
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -92,7 +91,9 @@ class ModelRunner:
             )
             if not inputs.sampling:
                 return RunnerOutput()
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            if inputs.logits_indices is not None:
+                hidden = hidden.index_select(0, inputs.logits_indices)
+            logits = self.model.compute_logits(hidden)
             params = [s.request.sampling_params for s in inputs.sampling]
             gens = [
                 self._generator(s.request_id, s.request.sampling_params.seed)
