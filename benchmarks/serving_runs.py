@@ -13,6 +13,7 @@ import asyncio
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -265,6 +266,7 @@ def summarize(traces: Sequence[Trace]) -> dict[str, Any]:
     return {
         "requests": len(traces),
         "completed": sum(t.finish == "length" for t in traces),
+        "finish_reasons": dict(Counter(str(t.finish) for t in traces)),
         "tokens": tokens,
         "tokens_expected": expected,
         "ttft_p50_ms": round(percentile(ttfts, 50), 2),
