@@ -194,7 +194,10 @@ def test_rebalance_callbacks_run_on_the_polling_thread_and_revoke_can_commit(
     consumer.close()  # nothing committed yet except what on_revoke commits now
     me = threading.current_thread().name
     both = {TopicPartition(topic, 0), TopicPartition(topic, 1)}
-    assert events[0] == ("assign", both, me)
+    # A broker may assign in steps (metadata arriving late); what holds: every callback
+    # ran on this thread, the last assignment was both partitions, close revoked both.
+    assert {thread for _, _, thread in events} == {me}
+    assert [p for kind, p, _ in events if kind == "assign"][-1] == both
     assert events[-1] == ("revoke", both, me)
     # The commit made inside on_revoke held: a new member has nothing left to read.
     bus.publish(topic, b"late", partition=0).result(30)
