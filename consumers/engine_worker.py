@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Mapping
@@ -69,6 +70,11 @@ class EngineWorkerConfig:
     cancel_ttl_s: float = 600.0
     max_cancelled: int = 100_000
     drain_timeout_s: float = 30.0
+    # The engine thread shares the GIL with the Kafka client's threads; at CPython's
+    # default 5 ms switch interval each engine step waited for the GIL behind them
+    # (measured on tiny-llama: submit -> first delta 8.2 ms in the worker vs 3.5 ms
+    # direct). None leaves the interpreter's setting alone.
+    gil_switch_interval_s: float | None = 0.0005
     tick_s: float = 0.05
     control_group_prefix: str = "engine-control"
 
@@ -134,6 +140,8 @@ class EngineWorker:
     # -- lifecycle (any thread) -----------------------------------------------------------
     def run(self) -> None:
         """Serve until `stop()`/`drain()`; raises EngineDeadError if the engine died."""
+        if self.config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         try:
             asyncio.run(self._main())
         finally:
