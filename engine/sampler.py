@@ -40,10 +40,10 @@ class Sampler:
         """logits [N, V] float32 -> one token per row (+ logprobs where asked)."""
         n = logits.shape[0]
         greedy = [p.temperature == 0.0 for p in params]
-        tokens = torch.empty(n, dtype=torch.int64)
         if all(greedy):
             tokens = _argmax(logits)
         else:
+            tokens = torch.empty(n, dtype=torch.int64)
             g_rows = [i for i in range(n) if greedy[i]]
             if g_rows:
                 idx = torch.tensor(g_rows)
@@ -55,7 +55,7 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n
-        want = [i for i in range(n) if params[i].logprobs is not None]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             idx = torch.tensor(want)
             lp = torch.log_softmax(logits[idx].float(), dim=-1)

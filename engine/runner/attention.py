@@ -114,11 +114,13 @@ def _group_attention(
     mask: torch.Tensor | None = None
     if grp.num_keys is not None:  # one decoding request: its exact keys, no mask
         end = grp.num_keys
-        start = 0 if window is None else max(0, end - window)
-        kv = kv[:, start:end]
+        kv = kv[:, 0 if window is None else max(0, end - window) : end]
     else:
         mask = meta.mask(grp, window)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # [P, Hkv, keys, D] each
+    if ql == 1 and grp.pad_index is None:  # decode: a KV head's G query heads are adjacent
+        out = F.scaled_dot_product_attention(q.view(p, hkv, g, d), k, v, attn_mask=mask)
+        return out.reshape(p, hq, d)
     # fold the G query heads of each KV head into query rows: [P, Hkv, G*Q, D]
     qg = q.view(p, ql, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p, hkv, g * ql, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
