@@ -13,7 +13,8 @@ heads that share a KV head into extra query rows (`[B, Hkv, G*Q, D]`) rather tha
 `enable_gqa=True`, which is several times slower in bf16 on CPU. Masks are additive,
 lower-right causal (never `is_causal=True`, which is top-left aligned: §4.5), and apply the
 sliding window when the layer has one. A group of one decoding request (`num_keys` set) needs
-no mask: its keys are sliced to exactly the positions it may see.
+no mask: its keys are sliced to exactly the positions it may see; when its blocks are
+consecutive (`first_block`) they are read in place, without the gather.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class AttentionGroup:
     pad_index: torch.Tensor | None  # [num_rows] rows in the padded [P*q_len] layout; None = none
     query_pos: torch.Tensor  # [P, q_len] absolute position of each (padded) query
     num_keys: int | None = None  # one decoding request: it sees keys [0, num_keys), no mask
+    first_block: int | None = None  # one request whose blocks are consecutive: no gather
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
 
 
@@ -48,6 +50,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     num_kv_groups: int  # query heads per KV head
     dtype: torch.dtype
+    slot: int | None = None  # the one new token's slot (T == 1): written without index_copy_
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""
@@ -85,7 +88,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D] and kv [T, 2*Hkv*D] (K then V) for this step's tokens -> [T, Hq, D]."""
     nb, bs = kv_cache.shape[:2]
-    kv_cache.view(nb * bs, kv.shape[1]).index_copy_(0, meta.slot_mapping, kv)
+    flat = kv_cache.view(nb * bs, kv.shape[1])
+    if meta.slot is not None:  # one token: a view and a copy beat index_copy_ (~10 µs)
+        flat[meta.slot].copy_(kv[0])
+    else:
+        flat.index_copy_(0, meta.slot_mapping, kv)
     if len(meta.groups) == 1 and meta.groups[0].num_rows == q.shape[0]:
         return _group_attention(q, kv_cache, meta, meta.groups[0], window)
     out = torch.empty_like(q)
@@ -110,7 +117,11 @@ def _group_attention(
         qp = q.new_zeros(p * ql, hq, d)
         qp.index_copy_(0, grp.pad_index, q)
         q = qp
-    kv = kv_cache.index_select(0, grp.block_index).view(p, kl, 2, hkv, d)
+    if grp.first_block is not None:  # consecutive blocks: read them in place
+        kv = kv_cache.narrow(0, grp.first_block, kl // kv_cache.shape[1])
+    else:
+        kv = kv_cache.index_select(0, grp.block_index)
+    kv = kv.view(p, kl, 2, hkv, d)
     mask: torch.Tensor | None = None
     if grp.num_keys is not None:  # one decoding request: its exact keys, no mask
         end = grp.num_keys

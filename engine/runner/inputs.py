@@ -67,6 +67,9 @@ def prepare_inputs(
                 pad_index=None,
                 query_pos=torch.from_numpy(qpos).to(device),
                 num_keys=pos[0] + 1 if len(decodes) == 1 else None,
+                first_block=_first_if_consecutive(decodes[0].block_ids[: nblk[0]])
+                if len(decodes) == 1
+                else None,
             )
         )
     if prefills:
@@ -79,7 +82,11 @@ def prepare_inputs(
     # ids, positions and slots in one tensor: one torch op instead of three
     rows = torch.tensor([ids, pos, slots], dtype=torch.int64, device=device)
     meta = AttentionMetadata(
-        slot_mapping=rows[2], groups=groups, num_kv_groups=num_kv_groups, dtype=dtype
+        slot_mapping=rows[2],
+        groups=groups,
+        num_kv_groups=num_kv_groups,
+        dtype=dtype,
+        slot=slots[0] if len(slots) == 1 else None,
     )
     return StepInputs(
         input_ids=rows[0],
@@ -90,6 +97,14 @@ def prepare_inputs(
         else torch.tensor(logits_rows, dtype=torch.int64, device=device),
         sampling=[s for s in sched.scheduled if s.sample],
     )
+
+
+def _first_if_consecutive(blocks: list[int]) -> int | None:
+    """blocks[0] when `blocks` are b, b+1, b+2, ... (then they are one slice of the cache)."""
+    b = blocks[0]
+    if blocks[-1] - b == len(blocks) - 1 and blocks == list(range(b, b + len(blocks))):
+        return b
+    return None
 
 
 def _prefill_group(
