@@ -15,7 +15,7 @@ from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.inputs import prepare_inputs
-from engine.sampler import Sampler
+from engine.sampler import Sampler, greedy_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,6 +95,15 @@ class ModelRunner:
                 hidden = hidden.index_select(0, inputs.logits_indices)
             logits = self.model.compute_logits(hidden)
             params = [s.request.sampling_params for s in inputs.sampling]
+            if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+                # greedy without logprobs (the common case): argmax is all there is to do
+                tokens = greedy_tokens(logits.cpu()).tolist()
+                return RunnerOutput(
+                    sampled=[
+                        SampledToken(s.request_id, t)
+                        for s, t in zip(inputs.sampling, tokens, strict=True)
+                    ]
+                )
             gens = [
                 self._generator(s.request_id, s.request.sampling_params.seed)
                 for s in inputs.sampling
