@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from engine.models.hugepages import huge_pages_for_new_memory
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +49,7 @@ def pack_linears(model: nn.Module, names: tuple[str, ...], dtype: torch.dtype) -
     if not can_pack(dtype):
         return 0
     count = 0
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), huge_pages_for_new_memory():
         for module in list(model.modules()):
             for name in names:
                 child = getattr(module, name, None)
