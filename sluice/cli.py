@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from sluice import __version__, cli_billing, cli_serving
-from sluice.cli_common import emit_json, settings_or_exit
+from sluice.cli_common import emit, emit_json, settings_or_exit
 from sluice.settings import Settings
 
 app = typer.Typer(
@@ -77,10 +77,7 @@ def bench_bus(
 
     settings = settings_or_exit(Settings)
     result = run(kafka_bootstrap=kafka or settings.kafka_bootstrap, quick=quick)
-    if as_json:
-        emit_json(result)
-    else:
-        typer.echo(render(result))
+    emit(result, render, as_json)
 
 
 @bench_app.command("admission")
@@ -97,10 +94,7 @@ def bench_admission(
 
     settings = settings_or_exit(Settings)
     result = run(redis_url=redis or settings.redis_url, quick=quick)
-    if as_json:
-        emit_json(result)
-    else:
-        typer.echo(render(result))
+    emit(result, render, as_json)
 
 
 @bench_app.command("engine")
@@ -128,10 +122,7 @@ def bench_engine(
         typer.echo(f"bench engine needs the test extra: pip install -e '.[test]' ({exc})", err=True)
         raise typer.Exit(2) from exc
     result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir), gguf=gguf)
-    if as_json:
-        emit_json(result)
-    else:
-        typer.echo(render(result))
+    emit(result, render, as_json)
 
 
 @bench_app.command("serving")
@@ -158,10 +149,7 @@ def bench_serving(
         kafka_bootstrap=kafka or settings.kafka_bootstrap,
         data_dir=str(settings.data_dir),
     )
-    if as_json:
-        emit_json(result)
-    else:
-        typer.echo(render(result))
+    emit(result, render, as_json)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
@@ -31,3 +32,11 @@ def settings_or_exit(cls: type[S], **overrides: Any) -> S:
 
 def emit_json(payload: Any) -> None:
     typer.echo(json.dumps(payload, indent=2, default=str))
+
+
+def emit(result: Any, render: Callable[[Any], str], as_json: bool) -> None:
+    """A command's result as JSON (`--json`) or as its human rendering."""
+    if as_json:
+        emit_json(result)
+    else:
+        typer.echo(render(result))
