@@ -106,6 +106,13 @@ class ModelSettings(_Base):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=16)
     quantization: Literal["int8"] | None = None
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="intra-op threads of the engine; unset keeps torch's default (all cores)."
+        " A small model on few cores serves more through the pipeline with 1, leaving a core"
+        " to the broker and Kafka clients",
+    )
 
     @property
     def model_name(self) -> str:

@@ -99,6 +99,10 @@ def build_backend(settings: Settings) -> Any:
     from engine.backends.torch_backend import TorchEngineBackend
     from engine.config import EngineConfig
 
+    if settings.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings)
     path = model_dir(settings)
     config = EngineConfig(
