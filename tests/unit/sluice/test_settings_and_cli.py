@@ -34,6 +34,8 @@ def test_settings_read_the_sluice_prefix(monkeypatch: pytest.MonkeyPatch, tmp_pa
         ("SLUICE_DATABASE_URL", "mysql://x", "postgresql+psycopg://"),
         ("SLUICE_LOG_LEVEL", "LOUD", "DEBUG, INFO"),
         ("SLUICE_REQUEST_PARTITIONS", "0", "greater than or equal to 1"),
+        ("SLUICE_TORCH_THREADS", "0", "greater than or equal to 1"),
+        ("SLUICE_DTYPE", "int4", "'auto', 'float32', 'bfloat16' or 'float16'"),
     ],
 )
 def test_bad_values_name_the_variable_the_value_and_the_fix(
