@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.generation import ChoiceResult
+from api.generation import ChoiceResult, Generation
 from api.served import Tokenizer
 from bus.messages import TokenLogprob
 
@@ -28,6 +28,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def generation_usage(prompt_tokens: int, generation: Generation) -> dict[str, Any]:
+    """The usage object of a whole call: the gateway's prompt count, what was delivered."""
+    return usage(prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens)
 
 
 def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:

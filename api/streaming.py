@@ -22,7 +22,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from api.generation import Generation, StreamEvent
+from api.errors import error_for_finish
+from api.generation import ChoiceResult, Generation, StreamEvent
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +90,17 @@ async def until_disconnect(
         for task in (work_task, watch):
             task.cancel()
         generation.abandon()
+
+
+async def collect_answer(request: Request, generation: Generation) -> list[ChoiceResult] | None:
+    """A non-streamed answer's choices; None if the client left first. A choice that
+    ended in error, abort or deadline raises its OpenAI error."""
+    results = await until_disconnect(request, generation, generation.collect())
+    for result in results or []:
+        error = error_for_finish(result.finish_reason or "error", result.error)
+        if error is not None:
+            raise error
+    return results
 
 
 # -- Responses WebSocket mode --------------------------------------------------------------

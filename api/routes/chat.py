@@ -12,12 +12,12 @@ from api import prepare
 from api.auth import Principal, require_principal
 from api.deps import Gateway, call_id, gateway
 from api.errors import InvalidRequest, error_for_finish
-from api.formatting import ChatFormat, usage
+from api.formatting import ChatFormat, generation_usage
 from api.generation import Generation
 from api.prepare import Call
 from api.schemas import ChatCompletionRequest
 from api.served import ServedModel
-from api.streaming import DONE, PING, SSEResponse, pump, sse_data, until_disconnect
+from api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
 from bus.messages import SamplingSpec
 
 router = APIRouter(prefix="/v1", tags=["chat"])
@@ -93,16 +93,10 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_stream(generation, fmt, call, body, include_usage, gw.sse_ping_s))
-    results = await until_disconnect(request, generation, generation.collect())
+    results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
-    for result in results:
-        error = error_for_finish(result.finish_reason or "error", result.error)
-        if error is not None:
-            raise error
-    usage_obj = usage(
-        call.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
-    )
+    usage_obj = generation_usage(call.num_prompt_tokens, generation)
     return JSONResponse(fmt.completion(results, usage_obj, body.logprobs))
 
 
@@ -134,12 +128,7 @@ async def _stream(
                 return
             yield sse_data(fmt.chunk(ev.index, {}, ev.finish_reason))
         if include_usage:
-            usage_obj = usage(
-                call.num_prompt_tokens,
-                generation.num_completion_tokens,
-                generation.num_cached_tokens,
-            )
-            yield sse_data(fmt.usage_chunk(usage_obj))
+            yield sse_data(fmt.usage_chunk(generation_usage(call.num_prompt_tokens, generation)))
         yield DONE
     finally:
         generation.abandon()

@@ -19,11 +19,11 @@ from pydantic import ValidationError
 from api import prepare
 from api.auth import Principal, authenticate, require_principal
 from api.deps import Gateway, call_id, gateway
-from api.errors import APIError, error_for_finish, error_response
+from api.errors import APIError, error_response
 from api.prepare import Call
 from api.responses_format import ResponsesFormat
 from api.schemas import ResponsesRequest
-from api.streaming import PING, SSEResponse, WsSession, sse_event, until_disconnect, ws_error
+from api.streaming import PING, SSEResponse, WsSession, collect_answer, sse_event, ws_error
 from bus.messages import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,10 @@ async def create_response(
     fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
     if body.stream:
         return SSEResponse(_sse(fmt.events(generation, gw.sse_ping_s), generation.abandon))
-    results = await until_disconnect(request, generation, generation.collect())
+    results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
-    result = results[0]
-    error = error_for_finish(result.finish_reason or "error", result.error)
-    if error is not None:
-        raise error
-    final = fmt.final(result, generation.num_completion_tokens, generation.num_cached_tokens)
+    final = fmt.final(results[0], generation.num_completion_tokens, generation.num_cached_tokens)
     return JSONResponse(final)
 
 
