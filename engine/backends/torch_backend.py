@@ -15,6 +15,7 @@ with finish_reason 'error', `health()` turns False, `submit` raises EngineDeadEr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -172,18 +173,7 @@ class TorchEngineBackend:
         num_pending = len(self._inbox)
         if num_pending == stats.num_pending:
             return stats
-        return EngineStats(
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
-            num_pending=num_pending,
-            kv_usage=stats.kv_usage,
-            num_kv_blocks=stats.num_kv_blocks,
-            num_preemptions=stats.num_preemptions,
-            num_steps=stats.num_steps,
-            num_generated_tokens=stats.num_generated_tokens,
-            num_prompt_tokens=stats.num_prompt_tokens,
-            num_cached_tokens=stats.num_cached_tokens,
-        )
+        return dataclasses.replace(stats, num_pending=num_pending)
 
     def _publish(self, batch: list[EngineDelta] | None) -> None:
         loop, queue = self._loop, self._queue
