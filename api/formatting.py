@@ -72,13 +72,17 @@ def completion_logprobs(
     }
 
 
-class ChatFormat:
-    """chat.completion and chat.completion.chunk objects of one call."""
+class _CallFormat:
+    """What every object of one call shares: id, object names, created, model, tier."""
+
+    id_prefix = ""
+    chunk_object = ""
+    whole_object = ""
 
     def __init__(
         self, call_id: str, model: str, created: int, tier: str, tokenizer: Tokenizer
     ) -> None:
-        self.id = f"chatcmpl-{call_id}"
+        self.id = f"{self.id_prefix}{call_id}"
         self.model = model
         self.created = created
         self.tier = tier
@@ -93,6 +97,18 @@ class ChatFormat:
             "service_tier": self.tier,
             "system_fingerprint": None,
         }
+
+    def usage_chunk(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
+        """The include_usage chunk: `choices: []` and the usage (OpenAI's shape)."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage_obj}
+
+
+class ChatFormat(_CallFormat):
+    """chat.completion and chat.completion.chunk objects of one call."""
+
+    id_prefix = "chatcmpl-"
+    chunk_object = "chat.completion.chunk"
+    whole_object = "chat.completion"
 
     def chunk(
         self,
@@ -110,10 +126,7 @@ class ChatFormat:
             else None,
             "finish_reason": finish_reason(finish),
         }
-        return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
-
-    def usage_chunk(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage_obj}
+        return {**self._head(self.chunk_object), "choices": [choice], "usage": None}
 
     def completion(
         self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
@@ -127,30 +140,14 @@ class ChatFormat:
             }
             for r in results
         ]
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage_obj}
+        return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}
 
 
-class CompletionFormat:
+class CompletionFormat(_CallFormat):
     """text_completion objects (whole and streamed) of one call."""
 
-    def __init__(
-        self, call_id: str, model: str, created: int, tier: str, tokenizer: Tokenizer
-    ) -> None:
-        self.id = f"cmpl-{call_id}"
-        self.model = model
-        self.created = created
-        self.tier = tier
-        self.tokenizer = tokenizer
-
-    def _head(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "service_tier": self.tier,
-            "system_fingerprint": None,
-        }
+    id_prefix = "cmpl-"
+    chunk_object = whole_object = "text_completion"
 
     def chunk(
         self,
@@ -172,10 +169,7 @@ class CompletionFormat:
             "logprobs": lp,
             "finish_reason": finish_reason(finish),
         }
-        return {**self._head(), "choices": [choice], "usage": None}
-
-    def usage_chunk(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(), "choices": [], "usage": usage_obj}
+        return {**self._head(self.chunk_object), "choices": [choice], "usage": None}
 
     def completion(
         self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
@@ -191,4 +185,4 @@ class CompletionFormat:
             }
             for r in results
         ]
-        return {**self._head(), "choices": choices, "usage": usage_obj}
+        return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}
