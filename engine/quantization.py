@@ -32,6 +32,13 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def set_output_dtype(self, dtype: torch.dtype) -> None:
+        """Return `dtype` from now on; the scales stay in the activation dtype (after a
+        module-wide `.to(dtype)`, which casts every floating buffer)."""
+        self.out_dtype = dtype
+        self.act_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
+        self.scales = self.scales.to(self.act_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.act_dtype)

@@ -92,12 +92,13 @@ class TorchEngineBackend:
             detokenizers=tokenizer_detokenizers(loaded.tokenizer),
         )
         logger.info(
-            "engine loaded model=%s kv_blocks=%s block_size=%s device=%s dtype=%s",
+            "engine loaded model=%s kv_blocks=%s block_size=%s device=%s dtype=%s compute=%s",
             loaded.path.name,
             runner.num_kv_blocks,
             config.block_size,
             config.device,
             config.dtype,
+            str(runner.dtype).removeprefix("torch."),
         )
         return cls(core, tokenizer=loaded.tokenizer)
 

@@ -12,8 +12,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from engine.models.cpu_linear import pack_linears
+from engine.models.cpu_linear import native_low_precision, pack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
 from engine.sampler import Sampler, greedy_tokens
 
@@ -36,8 +37,35 @@ def pack_linears_enabled(config: EngineConfig) -> bool:
     return os.environ.get("SLUICE_ENGINE_PREPACK", "1") != "0"
 
 
+def cpu_upcast_enabled() -> bool:
+    """SLUICE_ENGINE_CPU_UPCAST=0 keeps an emulated bf16/fp16 compute dtype (for comparisons)."""
+    import os
+
+    return os.environ.get("SLUICE_ENGINE_CPU_UPCAST", "1") != "0"
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the runner computes in: `dtype`, or fp32 for bf16/fp16 on a CPU that has
+    no hardware support for them (emulated matmuls are several times slower there)."""
+    if device.type == "cpu" and not native_low_precision(dtype) and cpu_upcast_enabled():
+        return torch.float32
+    return dtype
+
+
+def upcast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Weights to `dtype` in place; the values stay those of the checkpoint's dtype (every
+    bf16/fp16 value is exact in fp32). Int8 projections keep their int8 weights."""
+    model.set_dtype(dtype)
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.set_output_dtype(dtype)
+
+
 class ModelRunner:
     """Runs `model` (already on `config.device` in `config.dtype`) over a paged KV cache.
+
+    Computes in `compute_dtype(config.dtype)`: fp32 for a bf16/fp16 model on a CPU without
+    native support for them, the weights upcast once here (twice the weight memory).
 
     KV cache: per layer one tensor `[num_kv_blocks, block_size, 2, kv_heads, head_dim]` (K
     then V), block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
@@ -47,14 +75,18 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = torch_dtype(config.dtype)
+        self.weights_dtype = torch_dtype(config.dtype)
+        self.dtype = compute_dtype(self.weights_dtype, self.device)
+        if self.dtype != self.weights_dtype:
+            upcast(model, self.dtype)
         # flush denormals: random/small activations hit x87-speed denormal paths otherwise
         # (measured: bf16 batch-1 decode went from ~4-8 to ~120 tok/s)
         torch.set_flush_denormal(True)
         self.num_packed = 0
         if self.device.type == "cpu" and pack_linears_enabled(config):
             names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-            self.num_packed = pack_linears(model, names, self.dtype)
+            small = self.weights_dtype if self.weights_dtype != self.dtype else None
+            self.num_packed = pack_linears(model, names, self.dtype, small_dtype=small)
         mc = model.config
         self.block_size = config.block_size
         self.num_kv_groups = mc.num_attention_heads // mc.num_key_value_heads
