@@ -20,6 +20,9 @@ from torch import nn
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output row."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = linear.weight.detach().float()
