@@ -1,10 +1,15 @@
-"""Native CPU kernels the engine builds on first use with the system C compiler.
+"""Native CPU kernels for small-batch decode, built on first use with the system C compiler.
 
-`bf16_linear()` returns the AVX2 bf16-weight GEMV of `bf16_linear.c` (batch-1 decode of a
-bf16 model on a CPU without native bf16), or None where it cannot run: no AVX2/FMA, no C
-compiler, or a failed build (logged once; callers keep their torch path). The shared
-library is cached per source hash under `$SLUICE_KERNEL_CACHE` (default
-`~/.cache/sluice/kernels`), so a machine compiles it once (~1 s).
+`cpu_ops()` returns the `CpuOps` of `cpu_ops.c` (AVX2 + FMA), or None where they cannot
+run: no AVX2/FMA, no C compiler, a failed build (logged once), or SLUICE_ENGINE_KERNELS=0.
+Callers keep their torch path then. The shared library is cached per source hash under
+`$SLUICE_KERNEL_CACHE` (default `~/.cache/sluice/kernels`), so a machine compiles it once
+(about a second).
+
+Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each ~5-12 µs
+of dispatch on the 2-core AVX2 EPYC, around GEMVs that torch runs below memory speed for bf16
+weights without native bf16. Here each small op is one call, and the bf16 GEMV streams its
+weights once for up to MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -17,18 +22,109 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("bf16_linear.c")
+_SOURCE = Path(__file__).with_name("cpu_ops.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-MAX_ROWS = 4  # the kernel handles 1..MAX_ROWS rows of x per call
+MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
 
-Bf16Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "sluice_bf16_linear": ([_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "sluice_rms_norm": ([_P, _P, ctypes.c_float, _P, _I, _I], None),
+    "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I], None),
+    "sluice_silu_mul": ([_P, _P, _I, _I], None),
+    "sluice_attn_decode": (
+        [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, ctypes.c_int],
+        ctypes.c_int,
+    ),
+}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuOps:
+    """Typed wrappers over the library; tensors are CPU, contiguous, fp32 unless noted."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (args, res) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        self._linear = lib.sluice_bf16_linear
+        self._rms_norm = lib.sluice_rms_norm
+        self._rope = lib.sluice_rope
+        self._silu_mul = lib.sluice_silu_mul
+        self._attn = lib.sluice_attn_decode
+
+    def bf16_linear(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] @ w[N, K].T (+ bias) for bf16 `w`, M <= MAX_ROWS; with `out`, adds to it."""
+        m, k = x.shape
+        n = w.shape[0]
+        acc = out is not None
+        y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
+        rc = self._linear(
+            w.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
+            torch.get_num_threads(), int(acc),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
+        return y
+
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(h)
+        self._rms_norm(h.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), h.shape[0], h.shape[1])
+        return out
+
+    def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, pos: torch.Tensor) -> None:
+        """Rotate the first `heads` heads of each row of `x` [M, >= heads*D] (rows contiguous,
+        (re, im) pairs) by `table` [positions, D/2, 2] at int64 `pos` [M], in place."""
+        half = table.shape[1]
+        self._rope(x.data_ptr(), x.stride(0), x.shape[0], table.data_ptr(), pos.data_ptr(),
+                   heads, half)  # fmt: skip
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        m, two_i = gu.shape
+        out = torch.empty((m, two_i // 2), dtype=torch.float32)
+        self._silu_mul(gu.data_ptr(), out.data_ptr(), m, two_i // 2)
+        return out
+
+    def attn_decode(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        num_keys: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Rows of `qkv` [P, (Hq + 2*Hkv)*D] are q | K | V of one decoding request each:
+        write K|V into `slots`, then attend q over each request's keys (block `table`
+        [P, nblk] int64, `num_keys` [P] int64) -> [P, Hq*D]."""
+        p = qkv.shape[0]
+        _, bs, _, hkv, d = kv_cache.shape
+        out = torch.empty((p, num_heads * d), dtype=torch.float32)
+        rc = self._attn(
+            qkv.data_ptr(), qkv.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
+            table.data_ptr(), table.shape[1], num_keys.data_ptr(), window or 0,
+            p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"attn_decode failed ({rc}): keys beyond the block table?")
+        return out
 
 
 def cache_dir() -> Path:
@@ -55,7 +151,10 @@ def _build(source: Path, out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, timeout=120
+            [cc, *_FLAGS, str(source), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
         os.replace(tmp, out)  # atomic: concurrent builders each land a whole file
     finally:
@@ -64,33 +163,17 @@ def _build(source: Path, out: Path) -> None:
 
 
 @functools.cache
-def bf16_linear() -> Bf16Linear | None:
-    """y[M, N] = x[M, K] @ w[N, K].T (+ bias) for fp32 x (M <= MAX_ROWS) and bf16 w."""
+def cpu_ops() -> CpuOps | None:
     if os.environ.get("SLUICE_ENGINE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / f"bf16_linear-{digest}.so"
+    lib_path = cache_dir() / f"cpu_ops-{digest}.so"
     try:
         if not lib_path.exists():
             _build(_SOURCE, lib_path)
         # after `import torch`, libgomp.so.1 resolves to torch's copy: one OpenMP pool
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return CpuOps(ctypes.CDLL(str(lib_path)))
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        logger.warning("bf16 CPU kernel unavailable (%s) %s", e, detail.decode(errors="replace"))
+        logger.warning("CPU kernels unavailable (%s) %s", e, detail.decode(errors="replace"))
         return None
-    fn = lib.sluice_bf16_linear
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
-
-    def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        m, k = x.shape
-        n = w.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        threads = torch.get_num_threads()
-        if fn(w.data_ptr(), x.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, threads) != 0:
-            raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
-        return y
-
-    return run

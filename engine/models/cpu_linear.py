@@ -38,19 +38,27 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.small_kernel = kernels.bf16_linear() if small_dtype == torch.bfloat16 else None
+        self.ops = kernels.cpu_ops() if small_dtype == torch.bfloat16 else None
         self.small_weight = None
-        if self.small_kernel is not None and w.dtype == torch.float32:
+        if self.ops is not None and w.dtype == torch.float32:
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_weight is not None and x.shape[0] <= kernels.MAX_ROWS:
-            assert self.small_kernel is not None
-            return self.small_kernel(x.contiguous(), self.small_weight, self.bias)
+            assert self.ops is not None
+            return self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )
         return out
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> None:
+        """h += forward(x), in one kernel call where the bf16 copy serves."""
+        if self.small_weight is not None and x.shape[0] <= kernels.MAX_ROWS:
+            assert self.ops is not None
+            self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias, out=h)
+        else:
+            h.add_(self.forward(x))
 
 
 def native_low_precision(dtype: torch.dtype) -> bool:

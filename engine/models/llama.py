@@ -166,6 +166,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
+        if meta.cpu_ops is not None:
+            return self.forward_decode(h, rope, meta, kv_cache)
         # hot path, once per layer per step: linears are called through .forward (no
         # nn.Module hook dispatch), the residual stream h is updated in place (it is this
         # forward's own tensor), and each line is as few torch ops as it can be (~3-10 µs each)
@@ -186,6 +188,38 @@ class DecoderLayer(nn.Module):
         gu = self.gate_up_proj.forward(x)
         act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
         return h.add_(self.down_proj.forward(act))
+
+    def forward_decode(
+        self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` for a step of a few decoding requests on CPU in fp32: the same math,
+        each small op one fused kernel call (norm, RoPE, attention with the K|V write,
+        SiLU*up) and the residual adds done by the projections where they can.
+        `rope` is the whole rotation table as fp32 pairs [positions, head_dim/2, 2]."""
+        ops = meta.cpu_ops
+        assert ops is not None and meta.positions is not None
+        assert meta.block_table is not None and meta.num_keys is not None
+        x = ops.rms_norm(h, self.input_layernorm, self.eps)
+        qkv = self.qkv_proj.forward(x)
+        ops.rope_(qkv, self.num_heads + self.num_kv_heads, rope, meta.positions)
+        attn = ops.attn_decode(
+            qkv, self.num_heads, kv_cache, meta.slot_mapping, meta.block_table,
+            meta.num_keys, self.sliding_window,
+        )  # fmt: skip
+        _add_projection(self.o_proj, attn, h)
+        x = ops.rms_norm(h, self.post_attention_layernorm, self.eps)
+        act = ops.silu_mul(self.gate_up_proj.forward(x))
+        _add_projection(self.down_proj, act, h)
+        return h
+
+
+def _add_projection(proj: nn.Module, x: torch.Tensor, h: torch.Tensor) -> None:
+    """h += proj(x): in the projection's own kernel when it has one (PackedLinear.add_to)."""
+    add_to = getattr(proj, "add_to", None)
+    if add_to is not None:
+        add_to(x, h)
+    else:
+        h.add_(proj.forward(x))
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -237,6 +271,10 @@ class LlamaForCausalLM(nn.Module):
             return cache.index_select(0, positions)[:, None, :]
         return _rotations(positions, self.inv_freq)[:, None, :]
 
+    @property
+    def has_rope_cache(self) -> bool:
+        return self._rope_cache is not None
+
     def cache_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) (complex64, 8 B each).
 
@@ -258,7 +296,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """kv_caches: per layer `[num_blocks, block_size, 2, kv_heads, head_dim]` (K, V)."""
         h = self.embed_tokens.forward(input_ids).float()
-        rope = self.rope_table(positions)
+        if meta.cpu_ops is not None:
+            assert self._rope_cache is not None  # the runner fuses only with a table
+            rope = torch.view_as_real(self._rope_cache)
+        else:
+            rope = self.rope_table(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer.forward(h, rope, meta, kv_cache)
         return h

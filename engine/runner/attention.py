@@ -20,9 +20,13 @@ consecutive (`first_block`) they are read in place, without the gather.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.kernels import CpuOps
 
 
 @dataclass(slots=True)
@@ -51,6 +55,12 @@ class AttentionMetadata:
     num_kv_groups: int  # query heads per KV head
     dtype: torch.dtype
     slot: int | None = None  # the one new token's slot (T == 1): written without index_copy_
+    # a step of at most kernels.MAX_ROWS decoding requests on CPU in fp32: the decoder
+    # layers run on the fused kernels (DecoderLayer.forward_decode) with these tensors
+    cpu_ops: CpuOps | None = None
+    positions: torch.Tensor | None = None  # [P] int64
+    block_table: torch.Tensor | None = None  # [P, nblk] int64
+    num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""

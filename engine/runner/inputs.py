@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import kernels
 from engine.core.outputs import ScheduledRequest, SchedulerOutput
 from engine.runner.attention import AttentionGroup, AttentionMetadata
 
@@ -33,7 +34,10 @@ def prepare_inputs(
     num_kv_groups: int,
     dtype: torch.dtype,
     device: torch.device,
+    cpu_ops: kernels.CpuOps | None = None,
 ) -> StepInputs:
+    """`cpu_ops`: use the fused decode kernels when this step is only decodes (at most
+    kernels.MAX_ROWS of them); the runner passes them on CPU in fp32."""
     decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
     prefills = [s for s in sched.scheduled if s.num_new_tokens != 1]
     ids: list[int] = []
@@ -88,6 +92,10 @@ def prepare_inputs(
         dtype=dtype,
         slot=slots[0] if len(slots) == 1 else None,
     )
+    if cpu_ops is not None and not prefills and len(decodes) <= kernels.MAX_ROWS:
+        meta.cpu_ops, meta.positions = cpu_ops, rows[1]
+        meta.block_table = groups[0].block_index.view(len(decodes), -1)
+        meta.num_keys = groups[0].query_pos.view(-1) + 1
     return StepInputs(
         input_ids=rows[0],
         positions=rows[1],

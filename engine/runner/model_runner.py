@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from engine.models.cpu_linear import native_low_precision, pack_linears
@@ -101,6 +102,12 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         model.cache_rope(config.max_model_len)
+        # fused decode kernels (engine.kernels): CPU, fp32 compute, a precomputed RoPE table
+        self.cpu_ops = (
+            kernels.cpu_ops()
+            if self.device.type == "cpu" and self.dtype == torch.float32 and model.has_rope_cache
+            else None
+        )
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -116,7 +123,12 @@ class ModelRunner:
             return RunnerOutput()
         with torch.inference_mode():
             inputs = prepare_inputs(
-                scheduler_output, self.block_size, self.num_kv_groups, self.dtype, self.device
+                scheduler_output,
+                self.block_size,
+                self.num_kv_groups,
+                self.dtype,
+                self.device,
+                cpu_ops=self.cpu_ops,
             )
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches

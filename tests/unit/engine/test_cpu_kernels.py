@@ -15,9 +15,7 @@ from engine.models.cpu_linear import PackedLinear, can_pack, native_low_precisio
 from engine.runner.model_runner import ModelRunner, compute_dtype
 from tests.unit.engine.runner_driver import run_greedy
 
-needs_kernel = pytest.mark.skipif(
-    kernels.bf16_linear() is None, reason="no AVX2/FMA or no C compiler"
-)
+needs_kernel = pytest.mark.skipif(kernels.cpu_ops() is None, reason="no AVX2/FMA or no C compiler")
 
 
 @needs_kernel
@@ -27,25 +25,28 @@ needs_kernel = pytest.mark.skipif(
 def test_bf16_kernel_matches_fp32_linear(rows: int, k: int, n: int, with_bias: bool) -> None:
     """Exact bf16 -> fp32 widening, fp32 accumulation: equal to F.linear on the widened
     weights up to summation order (fast path: K % 16 == 0 and one row; generic otherwise)."""
-    fn = kernels.bf16_linear()
-    assert fn is not None
+    ops = kernels.cpu_ops()
+    assert ops is not None
     g = torch.Generator().manual_seed(rows * 7 + k + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
     ref = torch.nn.functional.linear(x, w.float(), bias)
-    out = fn(x, w, bias)
+    out = ops.bf16_linear(x, w, bias)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    acc = torch.randn(rows, n, generator=g)
+    torch.testing.assert_close(ops.bf16_linear(x, w, bias, out=acc.clone()), acc + ref,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
 
 
 @needs_kernel
 def test_bf16_kernel_rejects_more_rows_than_it_serves() -> None:
-    fn = kernels.bf16_linear()
-    assert fn is not None
+    ops = kernels.cpu_ops()
+    assert ops is not None
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"1\.\.4 rows"):
-        fn(torch.zeros(kernels.MAX_ROWS + 1, 16), w, None)
+        ops.bf16_linear(torch.zeros(kernels.MAX_ROWS + 1, 16), w, None)
 
 
 def test_compute_dtype_is_fp32_only_where_bf16_is_emulated() -> None:
@@ -85,3 +86,57 @@ def test_bf16_model_on_an_avx2_cpu_computes_in_fp32_with_the_same_tokens(tmp_pat
     assert runner.dtype == torch.float32 and runner.kv_caches[0].dtype == torch.float32
     ref_runner = ModelRunner(ref.model, EngineConfig(num_kv_blocks=16, block_size=16))
     assert run_greedy(runner, [prompt], 12) == run_greedy(ref_runner, [prompt], 12)
+
+
+@needs_kernel
+def test_fused_small_ops_match_torch() -> None:
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(3, 72, generator=g), torch.randn(72, generator=g)
+    ref = torch.nn.functional.rms_norm(h, (72,), w, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(h, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(2, 2 * 40, generator=g)
+    ref = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
+    torch.testing.assert_close(ops.silu_mul(gu), ref, rtol=1e-5, atol=1e-6)
+    # RoPE: the first 3 heads (of 4, head_dim 8) of each row times the complex table
+    x = torch.randn(2, 4 * 8, generator=g)
+    table = torch.polar(torch.ones(10, 4), torch.rand(10, 4, generator=g) * 6)
+    pos = torch.tensor([7, 2])
+    ref = x.clone()
+    rot = torch.view_as_complex(ref[:, :24].reshape(2, 3, 4, 2)) * table[pos][:, None, :]
+    ref[:, :24] = torch.view_as_real(rot).reshape(2, 24)
+    ops.rope_(x, 3, torch.view_as_real(table), pos)
+    torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_decode_attention_matches_sdpa(window: int | None) -> None:
+    """Three requests over scattered blocks (GQA 4 query heads per KV head): the new K|V
+    lands in its slot and the output equals SDPA over each request's visible keys."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 8, 2, 16, 4
+    cache = torch.randn(12, bs, 2, hkv, d, generator=g)
+    tables = [[3, 7, 1], [5, 2], [9, 10, 11]]
+    num_keys = [11, 6, 9]  # the last key of each is this step's token
+    table = torch.zeros(3, 3, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    pairs = list(zip(tables, num_keys, strict=True))
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in pairs])
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
+    out = ops.attn_decode(qkv, hq, cache, slots, table, torch.tensor(num_keys), window)
+    flat = cache.view(-1, 2, hkv, d)
+    for i, (t, n) in enumerate(pairs):
+        torch.testing.assert_close(flat[slots[i]].reshape(-1), qkv[i, hq * d :])
+        keys = torch.cat([flat[b * bs : (b + 1) * bs] for b in t])[:n]
+        if window is not None:
+            keys = keys[max(0, n - window) :]
+        k = keys[:, 0].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [hq, n, d]
+        v = keys[:, 1].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        q = qkv[i, : hq * d].view(hq, 1, d)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).reshape(-1)
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
