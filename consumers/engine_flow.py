@@ -254,14 +254,21 @@ class RequestFlow:
         requests (preempted ones go back to it) that only leave as running ones finish,
         so the lane-blind `engine_full` would hold an interactive request for seconds.
         The engine's priority scheduling serves it first (and preempts for it), so it may
-        enter while fewer than `max_engine_waiting` requests of its own lane are in the
-        engine; `max_in_engine` and `max_kv_usage` still hold.
+        enter while fewer than `max_engine_waiting` requests of its own lane wait in the
+        engine for their first token; `max_in_engine` and `max_kv_usage` still hold.
+        Counting its running requests instead held new ones in this buffer (and paused
+        the lane's partition) whenever 8 interactive requests were decoding: measured
+        beside a batch backlog, buffered p50 131 ms, p90 1.6 s.
         """
         lane = min((lane.value for lane in self.config.lanes), key=lambda v: LANE_PRIORITY[v])
         if not self._buffer.count(lane):
             return
         config = self.config
-        urgent = sum(1 for i in self._items.values() if i.in_engine and i.lane == lane)
+        urgent = sum(
+            1
+            for i in self._items.values()
+            if i.in_engine and i.lane == lane and i.first_token_ms is None
+        )
         urgent += sum(1 for i in batch if i.lane == lane)
         while self._buffer.count(lane) and urgent < config.max_engine_waiting:
             if self.num_in_engine + len(batch) >= config.max_in_engine:

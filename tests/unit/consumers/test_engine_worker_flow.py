@@ -88,6 +88,25 @@ def test_interactive_overtakes_a_batch_backlog_which_still_finishes() -> None:
     assert last_interactive <= order.index("b02") + 3 + 3  # behind at most what the engine held
 
 
+def test_interactive_requests_already_decoding_do_not_hold_back_a_new_one() -> None:
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    backend = FakeEngineBackend(step_s=0.002, max_running=4)
+    worker = WorkerThread(bus, backend, config(max_engine_waiting=2)).start()
+    long = [make_request(f"i{i}", prompt=[100 + i], max_tokens=2000) for i in range(2)]
+    client.send(*long)
+    client.wait(lambda: all(client.view.streams.get(r.request_id) for r in long), what="decode")
+    batch = [make_request(f"b{i}", lane=Lane.BATCH, prompt=[i], max_tokens=2000) for i in range(8)]
+    client.send(*batch)
+    client.wait(lambda: backend.stats().num_waiting >= 2, what="a full engine")
+    client.send(make_request("i2", prompt=[7], max_tokens=4))
+    # two interactive requests are in the engine, decoding: the new one still enters
+    client.wait(lambda: any(r.request_id == "i2" for r in backend.submitted), timeout_s=2.0)
+    assert not any(client.view.streams[r.request_id].finish_reason for r in long)
+    worker.stop()
+
+
 def test_a_tenant_with_ten_times_the_load_does_not_crowd_out_a_light_one() -> None:
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=2)
