@@ -159,7 +159,10 @@ def _token_delta(
             )
             for lp in delta.logprobs
         ]
-    return TokenDelta(
+    # model_construct skips validation: every value comes from this worker and its engine
+    # (typed), and readers validate on decode; per step of 64 deltas it saved ~0.3 of
+    # build_step's 0.8 ms (measured on the dev VM)
+    return TokenDelta.model_construct(
         request_id=item.request_id,
         attempt=item.attempt,
         seq_no=item.seq_no,

@@ -63,6 +63,10 @@ class EngineWorkerConfig:
     tenant_quantum_tokens: int = 256
     poll_timeout_s: float = 0.05
     max_records: int = 64
+    # A commit is a synchronous broker round trip on the poll thread; a record arriving
+    # meanwhile waits for it. At most one per interval (drain and revocation still
+    # commit the latest watermarks); a later commit only widens what a failover redoes.
+    commit_interval_s: float = 0.2
     max_buffered_per_partition: int = 32
     max_engine_waiting: int = 8
     max_kv_usage: float = 0.9
@@ -223,8 +227,14 @@ class EngineWorker:
 
     async def _poll_loop(self) -> None:
         config = self.config
+        loop = asyncio.get_running_loop()
+        next_commit = 0.0
         while self._polling and not self._abandon:
-            commits = self._flow.offsets.to_commit()
+            commits = {}
+            if loop.time() >= next_commit:
+                commits = self._flow.offsets.to_commit()
+                if commits:
+                    next_commit = loop.time() + config.commit_interval_s
             result: PollResult = await self._on_kafka(
                 self._poller.cycle,
                 commits,
