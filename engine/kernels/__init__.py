@@ -31,6 +31,13 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
+# Below this many multiply-adds a kernel runs on the calling thread alone: an OpenMP region
+# ends in a barrier, and when another process holds a core (the broker, the gateway) every
+# barrier waits out a scheduler slice. Measured on the 2-core EPYC with two busy-looping
+# processes beside it, batch-1 decode with every GEMV on 2 threads fell from 170 to 20 tok/s
+# (HF generate: 77 to 37); with only the lm_head-sized GEMV on 2 threads, 45 tok/s (HF: 4-37)
+# at 120-170 quiet.
+PARALLEL_MIN_WORK = int(os.environ.get("SLUICE_KERNEL_PARALLEL_MIN", 4 << 20))
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -44,6 +51,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         ctypes.c_int,
     ),
 }
+
+
+def _threads(work: int) -> int:
+    return torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -77,7 +88,7 @@ class CpuOps:
         y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
         rc = self._linear(
             w.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
-            torch.get_num_threads(), int(acc),
+            _threads(m * n * k), int(acc),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
@@ -120,7 +131,8 @@ class CpuOps:
         rc = self._attn(
             qkv.data_ptr(), qkv.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
             table.data_ptr(), table.shape[1], num_keys.data_ptr(), window or 0,
-            p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(), torch.get_num_threads(),
+            p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(),
+            _threads(p * num_heads * d * int(num_keys.max()) * 2),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"attn_decode failed ({rc}): keys beyond the block table?")
