@@ -153,6 +153,7 @@ def run(
         result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir))
     result["kafka_broker"] = broker
     result["model"] = "tiny-llama"
+    result["torch_threads"] = {"direct": procs.DIRECT_THREADS, "worker": procs.worker_threads()}
     result["quick"] = quick
     result["checks"] = _checks(result)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
@@ -164,7 +165,12 @@ def render(result: dict[str, Any]) -> str:
         f"{'req/s':>6} {'arm':<9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
         f"{'tok/s':>8} {'done':>8}"
     )
-    lines = [f"model {result['model']}, broker {result['kafka_broker']}", head]
+    threads = result["torch_threads"]
+    lines = [
+        f"model {result['model']}, broker {result['kafka_broker']}, torch threads direct "
+        f"{threads['direct']} / worker {threads['worker']}",
+        head,
+    ]
     for row in result["sweep"]:
         for arm in ("direct", "pipeline"):
             r = row[arm]
