@@ -28,7 +28,7 @@ from engine.backends.base import EngineRequest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 from engine.loader import LoadedModel, default_data_dir, load_model, resolve_model_dir
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, compute_dtype
 from engine.sampling import SamplingParams
 
 BENCH_MODEL = {
@@ -213,6 +213,12 @@ def run(
         "quick": quick,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        # what Sluice computes in: fp32 for a bf16/fp16 checkpoint on a CPU without native
+        # bf16/fp16 (the weights keep the checkpoint's values; HF computes in `dtype`)
+        "sluice_compute_dtype": str(compute_dtype(lm.dtype, torch.device("cpu"))).removeprefix(
+            "torch."
+        ),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
         "workloads": {
             "batch1": _bench_batch1(
                 lm, lm_int8, hf, dtype, quick, vocab, Path(gguf) if gguf else None
@@ -233,7 +239,8 @@ def render(result: dict) -> str:
     lines = [
         f"Sluice engine benchmark  model={result.get('model')}  dtype={result.get('dtype')}"
         f"  quick={result.get('quick')}  torch={result.get('torch')}"
-        f"  threads={result.get('threads')}",
+        f"  threads={result.get('threads')}  cpu={result.get('cpu')}"
+        f"  sluice_compute={result.get('sluice_compute_dtype')}",
         f"{'workload':<14}{'system':<24}{'tokens/s':>12}{'TTFT ms':>12}",
     ]
     for wname, w in result["workloads"].items():
