@@ -10,7 +10,6 @@ round trip over the same broker with the same client settings.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import threading
 import time
 import uuid
@@ -45,10 +44,12 @@ DIRECT_THREADS = 2  # the direct arm's best here: 1 thread measured 0.7-0.8x its
 
 
 def worker_threads() -> int:
-    """The worker's torch threads: `SLUICE_TORCH_THREADS`, as `sluice worker engine` reads
-    it, else the direct arm's count."""
-    value = os.environ.get("SLUICE_TORCH_THREADS", "").strip()
-    return int(value) if value else DIRECT_THREADS
+    """The worker's torch threads as `sluice worker engine` picks them on CPU
+    (`SLUICE_TORCH_THREADS`, else every core but one)."""
+    from sluice.settings import ModelSettings, load_settings
+    from sluice.wiring import resolve_torch_threads
+
+    return resolve_torch_threads(load_settings(ModelSettings), "cpu") or DIRECT_THREADS
 
 
 def set_threads(num_threads: int = DIRECT_THREADS) -> None:

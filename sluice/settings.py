@@ -109,9 +109,8 @@ class ModelSettings(_Base):
     torch_threads: int | None = Field(
         default=None,
         ge=1,
-        description="intra-op threads of the engine; unset keeps torch's default (all cores)."
-        " A small model on few cores serves more through the pipeline with 1, leaving a core"
-        " to the broker and Kafka clients",
+        description="intra-op threads of the engine; unset: on CPU all cores but one (a"
+        " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
     )
 
     @property

@@ -81,3 +81,18 @@ def test_unbuilt_commands_do_not_appear() -> None:
     assert result.exit_code == 0
     for name in ("doctor", "bench"):
         assert name in result.output
+
+
+def test_torch_threads_leave_a_core_on_cpu_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from sluice.settings import ModelSettings
+    from sluice.wiring import resolve_torch_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 3
+    assert resolve_torch_threads(load_settings(ModelSettings), "cuda") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 1
+    monkeypatch.setenv("SLUICE_TORCH_THREADS", "2")
+    assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 2
