@@ -44,7 +44,24 @@ def _torch() -> str:
     import torch
 
     device = f"CUDA ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "CPU"
-    return f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads"
+    return f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads, {_cpu()}"
+
+
+def _cpu() -> str:
+    """What the engine makes of this CPU: native bf16 or not, and its decode kernels."""
+    import torch
+
+    from engine import kernels
+    from engine.models.cpu_linear import native_low_precision
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    bf16 = (
+        "native bf16"
+        if native_low_precision(torch.bfloat16)
+        else "no native bf16 (bf16 models compute in fp32)"
+    )
+    built = "decode kernels ready" if kernels.cpu_ops() is not None else "no decode kernels"
+    return f"{isa}, {bf16}, {built}"
 
 
 def run_checks(settings: Settings) -> list[Check]:
