@@ -128,6 +128,18 @@ def _checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         target = TARGETS[name]
         ok = value >= target if name.endswith("_min") else value <= target
         out[name] = {"value": value, "target": target, "ok": bool(ok)}
+    short = [
+        f"{row['rate_per_s']:g} req/s {arm} {row[arm]['completed']}/{row[arm]['requests']}"
+        for row in sweep
+        for arm in ("direct", "pipeline")
+        if row[arm]["completed"] < row[arm]["requests"]
+    ]
+    # a request that never ends adds no tokens and no TTFT: the ratios above would flatter
+    out["sweep_all_completed"] = {
+        "value": "; ".join(short) or "all",
+        "target": "every request ends with 'length' (else the sweep's ratios are not valid)",
+        "ok": not short,
+    }
     out["priority_backlog_held"] = {
         "value": result["priority"]["batch_left_at_window_end"],
         "target": "> 0 (else the engine was not saturated the whole window)",
