@@ -252,6 +252,7 @@ class KafkaConsumer(Consumer):
             raise _translate(exc) from exc
 
     def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]:
+        self._unpark_resumed()
         timeout_ms = int(timeout_s * 1000)
         if timeout_ms < _JOIN_POLL_MS and not self._consumer.assignment():
             timeout_ms = _JOIN_POLL_MS
@@ -299,6 +300,27 @@ class KafkaConsumer(Consumer):
 
     def paused(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.paused()}
+
+    def _unpark_resumed(self) -> None:
+        """Work around a kafka-python 3.0.12 stall after pause/resume.
+
+        Its fetcher parks a paused partition's fetched records and excludes the partition
+        from fetching while they are parked; after resume it restores them only when its
+        in-line slot is None, but an exhausted batch stays there (falsy, not None). With
+        no new fetch data to replace it the resumed partition never delivers again: the
+        engine worker lost the tail of its lanes at the end of loaded `bench serving` runs
+        (13-32 of 160 requests). Clearing the exhausted slot lets the next poll restore
+        them; `test_a_partition_paused_with_records_in_line_delivers_them_after_resume`
+        reproduces the stall without this.
+        """
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        current = getattr(fetcher, "_next_partition_records", None)
+        if (
+            current is not None
+            and not current
+            and getattr(fetcher, "_paused_partition_records", None)
+        ):
+            fetcher._next_partition_records = None  # type: ignore[union-attr]
 
     def _dispatch_rebalance(self) -> None:
         for kind, partitions in self._listener.take():
