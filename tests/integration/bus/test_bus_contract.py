@@ -172,8 +172,10 @@ def test_a_partition_paused_with_records_in_line_delivers_them_after_resume(
     consumer.pause([held])  # its other records are fetched and waiting in line
     other = 1 - held.partition
     wait_until(
-        lambda: sum(r.partition == other for r in got) >= 10
-        or bool(got.extend(consumer.poll(0.1, max_records=3))),
+        lambda: (
+            sum(r.partition == other for r in got) >= 10
+            or bool(got.extend(consumer.poll(0.1, max_records=3)))
+        ),
         30,
         "the other partition",
     )
@@ -181,8 +183,10 @@ def test_a_partition_paused_with_records_in_line_delivers_them_after_resume(
         got.extend(consumer.poll(0.1, max_records=3))  # nothing new: the in-line slot drains
     consumer.resume([held])
     wait_until(
-        lambda: sum(r.partition == held.partition for r in got) >= 10
-        or bool(got.extend(consumer.poll(0.1, max_records=3))),
+        lambda: (
+            sum(r.partition == held.partition for r in got) >= 10
+            or bool(got.extend(consumer.poll(0.1, max_records=3)))
+        ),
         15,
         "the resumed partition's records",
     )
