@@ -138,7 +138,12 @@ def start_stack(
     values = {"api_keys": [], **settings}
     servers = [
         ServerThread(
-            create_app(gateway_settings(**values), bus, [served_model(MODEL)], admission=svc)
+            create_app(
+                gateway_settings(**values),
+                bus,
+                [served_model(MODEL, max_model_len=4096)],
+                admission=svc,
+            )
         ).__enter__()
         for svc in services
     ]
