@@ -61,16 +61,17 @@ def doctor(as_json: JsonFlag = False) -> None:
         raise typer.Exit(1)
 
 
+KafkaOption = Annotated[
+    str | None,
+    typer.Option(help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."),
+]
+
+
 @bench_app.command("bus")
 def bench_bus(
     as_json: JsonFlag = False,
     quick: Annotated[bool, typer.Option(help="Fewer messages (seconds, not a minute).")] = False,
-    kafka: Annotated[
-        str | None,
-        typer.Option(
-            help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."
-        ),
-    ] = None,
+    kafka: KafkaOption = None,
 ) -> None:
     """Produce→consume latency p50/p99 and messages/s, memory bus vs Kafka."""
     from benchmarks.bus import render, run
@@ -129,12 +130,7 @@ def bench_engine(
 def bench_serving(
     as_json: JsonFlag = False,
     quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 2 min).")] = False,
-    kafka: Annotated[
-        str | None,
-        typer.Option(
-            help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."
-        ),
-    ] = None,
+    kafka: KafkaOption = None,
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
 

@@ -25,14 +25,7 @@ def kafka_bootstrap() -> Iterator[str]:
             service_missing(f"Kafka at SLUICE_KAFKA_BOOTSTRAP={configured} does not answer")
         yield configured
         return
-    try:
-        broker = TansuBroker().start()
-    except Exception as exc:
-        service_missing(f"could not start Tansu: {exc}")
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+    yield from _own_tansu()
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +33,11 @@ def dedicated_kafka() -> Iterator[str]:
     """A Tansu broker of this test module's own, for tests that create Sluice's fixed
     topic names (`sluice.requests.*`, …) with their own partition counts: on a shared
     broker the first test to create a topic fixes its partitions for everyone."""
+    yield from _own_tansu()
+
+
+def _own_tansu() -> Iterator[str]:
+    """A Tansu broker for the fixture's scope (missing service: fail in CI, else skip)."""
     try:
         broker = TansuBroker().start()
     except Exception as exc:

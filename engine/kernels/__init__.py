@@ -35,8 +35,8 @@ MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
 # ends in a barrier, and when another process holds a core (the broker, the gateway) every
 # barrier waits out a scheduler slice. Measured on the 2-core EPYC with two busy-looping
 # processes beside it, batch-1 decode with every GEMV on 2 threads fell from 170 to 20 tok/s
-# (HF generate: 77 to 37); with only the lm_head-sized GEMV on 2 threads, 45 tok/s (HF: 4-37)
-# at 120-170 quiet.
+# (HF generate: 77 to 37); with only the lm_head-sized GEMV on 2 threads it ran at 45 tok/s
+# (120-170 quiet).
 PARALLEL_MIN_WORK = int(os.environ.get("SLUICE_KERNEL_PARALLEL_MIN", 4 << 20))
 
 _P = ctypes.c_void_p
@@ -132,7 +132,7 @@ class CpuOps:
             qkv.data_ptr(), qkv.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
             table.data_ptr(), table.shape[1], num_keys.data_ptr(), window or 0,
             p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(),
-            _threads(p * num_heads * d * int(num_keys.max()) * 2),
+            _threads(p * num_heads * d * table.shape[1] * bs * 2),  # keys: table width
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"attn_decode failed ({rc}): keys beyond the block table?")

@@ -43,22 +43,19 @@ class PackedLinear(nn.Module):
         if self.ops is not None and w.dtype == torch.float32:
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias); with `out`, added into it (one kernel call on the bf16 path)."""
         if self.small_weight is not None and x.shape[0] <= kernels.MAX_ROWS:
             assert self.ops is not None
-            return self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            return self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias, out=out)
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )
-        return out
+        return y if out is None else out.add_(y)
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> None:
-        """h += forward(x), in one kernel call where the bf16 copy serves."""
-        if self.small_weight is not None and x.shape[0] <= kernels.MAX_ROWS:
-            assert self.ops is not None
-            self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias, out=h)
-        else:
-            h.add_(self.forward(x))
+        """h += forward(x)."""
+        self.forward(x, out=h)
 
 
 def native_low_precision(dtype: torch.dtype) -> bool:

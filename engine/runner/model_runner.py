@@ -8,6 +8,8 @@ sampling params carry a seed, and drops it when the scheduler reports the reques
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine import kernels
@@ -33,15 +35,11 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def pack_linears_enabled(config: EngineConfig) -> bool:
     """oneDNN prepacking on CPU; SLUICE_ENGINE_PREPACK=0 turns it off (for comparisons)."""
-    import os
-
     return os.environ.get("SLUICE_ENGINE_PREPACK", "1") != "0"
 
 
 def cpu_upcast_enabled() -> bool:
     """SLUICE_ENGINE_CPU_UPCAST=0 keeps an emulated bf16/fp16 compute dtype (for comparisons)."""
-    import os
-
     return os.environ.get("SLUICE_ENGINE_CPU_UPCAST", "1") != "0"
 
 
@@ -66,7 +64,8 @@ class ModelRunner:
     """Runs `model` (already on `config.device` in `config.dtype`) over a paged KV cache.
 
     Computes in `compute_dtype(config.dtype)`: fp32 for a bf16/fp16 model on a CPU without
-    native support for them, the weights upcast once here (twice the weight memory).
+    native support for them, the weights upcast once here (twice the checkpoint's weight
+    memory, and the projections keep a bf16 copy beside for the small-batch kernels).
 
     KV cache: per layer one tensor `[num_kv_blocks, block_size, 2, kv_heads, head_dim]` (K
     then V), block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
