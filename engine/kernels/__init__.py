@@ -4,7 +4,8 @@
 run: no AVX2/FMA, no C compiler, a failed build (logged once), or SLUICE_ENGINE_KERNELS=0.
 Callers keep their torch path then. The shared library is cached per source hash under
 `$SLUICE_KERNEL_CACHE` (default `~/.cache/sluice/kernels`), so a machine compiles it once
-(about a second).
+(about a second). The GEMV uses AVX512-BF16 where the CPU has it (a function-level target,
+chosen at run time).
 
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each ~5-12 µs
 of dispatch on the 2-core AVX2 EPYC, around GEMVs that torch runs below memory speed for bf16
@@ -29,25 +30,27 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
-# Below this many multiply-adds a kernel runs on the calling thread alone: an OpenMP region
-# ends in a barrier, and when another process holds a core (the broker, the gateway) every
-# barrier waits out a scheduler slice. Measured on the 2-core EPYC with two busy-looping
-# processes beside it, batch-1 decode with every GEMV on 2 threads fell from 170 to 20 tok/s
-# (HF generate: 77 to 37); with only the lm_head-sized GEMV on 2 threads it ran at 45 tok/s
-# (120-170 quiet).
-PARALLEL_MIN_WORK = int(os.environ.get("SLUICE_KERNEL_PARALLEL_MIN", 4 << 20))
+# Below this many multiply-adds a kernel runs on the calling thread alone (sharing costs
+# more than it saves). Above it the calling thread shares chunks with persistent helper
+# threads (`parallel_for` in cpu_ops.c, torch.get_num_threads() in all) and never waits for
+# a helper that is off its core. On the 2-core AVX-512 EPYC streaming the bench model's
+# 78 MB of decode weights from DRAM: one thread ~11 GB/s, two ~22 GB/s.
+PARALLEL_MIN_WORK = int(os.environ.get("SLUICE_KERNEL_PARALLEL_MIN", 256 << 10))
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    "sluice_bf16_linear": ([_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "sluice_bf16_linear": (
+        [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+        ctypes.c_int,
+    ),
     "sluice_rms_norm": ([_P, _P, ctypes.c_float, _P, _I, _I], None),
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I], None),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
     "sluice_attn_decode": (
-        [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, ctypes.c_int],
+        [_P, _I, _P, _P, _P, _I, _P] + [_I] * 6 + [ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
 }
@@ -62,9 +65,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class CpuOps:
-    """Typed wrappers over the library; tensors are CPU, contiguous, fp32 unless noted."""
+    """Typed wrappers over the library; tensors are CPU, contiguous, fp32 unless noted.
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    `bf16_dot`: the CPU has AVX512-BF16, which `bf16_linear(round_x=True)` uses."""
+
+    def __init__(self, lib: ctypes.CDLL, bf16_dot: bool = False) -> None:
+        self.bf16_dot = bf16_dot
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
@@ -80,15 +86,20 @@ class CpuOps:
         w: torch.Tensor,
         bias: torch.Tensor | None,
         out: torch.Tensor | None = None,
+        round_x: bool = False,
     ) -> torch.Tensor:
-        """x [M, K] @ w[N, K].T (+ bias) for bf16 `w`, M <= MAX_ROWS; with `out`, adds to it."""
+        """x [M, K] @ w[N, K].T (+ bias) for bf16 `w`, M <= MAX_ROWS; with `out`, adds to it.
+
+        `round_x`: x is rounded to bf16 first, as a model computing in bf16 rounds its
+        matmul inputs (the products are then exact, accumulated in fp32); without it x
+        stays fp32."""
         m, k = x.shape
         n = w.shape[0]
         acc = out is not None
         y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
         rc = self._linear(
             w.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
-            _threads(m * n * k), int(acc),
+            _threads(m * n * k), int(acc), (1 if self.bf16_dot else 2) if round_x else 0,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
@@ -124,7 +135,9 @@ class CpuOps:
     ) -> torch.Tensor:
         """Rows of `qkv` [P, (Hq + 2*Hkv)*D] are q | K | V of one decoding request each:
         write K|V into `slots`, then attend q over each request's keys (block `table`
-        [P, nblk] int64, `num_keys` [P] int64) -> [P, Hq*D]."""
+        [P, nblk] int64, `num_keys` [P] int64) -> [P, Hq*D]. The cache is fp32 or bf16."""
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"attn_decode takes an fp32 or bf16 cache, got {kv_cache.dtype}")
         p = qkv.shape[0]
         _, bs, _, hkv, d = kv_cache.shape
         out = torch.empty((p, num_heads * d), dtype=torch.float32)
@@ -133,6 +146,7 @@ class CpuOps:
             table.data_ptr(), table.shape[1], num_keys.data_ptr(), window or 0,
             p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(),
             _threads(p * num_heads * d * table.shape[1] * bs * 2),  # keys: table width
+            int(kv_cache.dtype == torch.bfloat16),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"attn_decode failed ({rc}): keys beyond the block table?")
@@ -144,14 +158,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SLUICE_KERNEL_CACHE") or default)
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
+        return set()
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def _build(source: Path, out: Path) -> None:
@@ -176,7 +191,8 @@ def _build(source: Path, out: Path) -> None:
 
 @functools.cache
 def cpu_ops() -> CpuOps | None:
-    if os.environ.get("SLUICE_ENGINE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+    flags = _cpu_flags()
+    if os.environ.get("SLUICE_ENGINE_KERNELS", "1") == "0" or not {"avx2", "fma"} <= flags:
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"cpu_ops-{digest}.so"
@@ -184,7 +200,7 @@ def cpu_ops() -> CpuOps | None:
         if not lib_path.exists():
             _build(_SOURCE, lib_path)
         # after `import torch`, libgomp.so.1 resolves to torch's copy: one OpenMP pool
-        return CpuOps(ctypes.CDLL(str(lib_path)))
+        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot="avx512_bf16" in flags)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("CPU kernels unavailable (%s) %s", e, detail.decode(errors="replace"))

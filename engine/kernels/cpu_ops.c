@@ -6,19 +6,151 @@
    The small-batch decode GEMVs of a bf16 model on a CPU without native bf16 (AVX2 only):
    each bf16 weight is widened to fp32 exactly (bf16 is the top half of an fp32) and
    accumulated in fp32, so W is streamed once per call for all M rows. Output rows are
-   split statically across OpenMP threads (torch's own libgomp, already loaded by `import
-   torch`, so there is one pool). Built and loaded by engine/kernels/__init__.py.
+   shared out in chunks by `parallel_for` (below). Built and loaded by
+   engine/kernels/__init__.py.
 
    M == 1 with K % 16 == 0 (every real model) takes the fast path: 16 weights per 256-bit
    load, widened by interleaving with zeros (one unpack per 8 weights instead of a widen
    and a shift), against a copy of x permuted to the same in-lane order, four rows at a
    time with the next four rows prefetched. Measured on the 2-core AVX2 EPYC streaming
-   the bench model's 78 MB of projections: ~15-20 % faster than the generic path. */
+   the bench model's 78 MB of projections: ~15-20 % faster than the generic path.
+
+   With `round_x` (the model computes in bf16: its matmul inputs are bf16, as in torch's
+   bf16 path) x is first rounded to bf16; on a CPU with AVX512-BF16 the dot products then
+   run as VDPBF16PS on 32 weights (one cache line) per instruction, exact bf16 products
+   accumulated in fp32. Measured on the 2-core AVX-512 EPYC (Zen 4) streaming the bench
+   model's 78 MB from DRAM on 2 threads: 3.6 ms, as fast as oneDNN's prepacked bf16 GEMV
+   (3.5 ms) and 10 % faster than the widening path (4.05 ms). */
 #include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- parallel_for: work sharing that never waits for a thread that has not started ----
+
+   An OpenMP region ends in a barrier: when another process holds a core, every barrier
+   waits out a scheduler slice. Measured on the 2-core EPYC with a compiler running at
+   nice 19 on both cores: the bench model's 33 decode GEMVs took 205 ms on 2 OpenMP
+   threads against 7 ms on one. Here the caller and up to MAX_HELPERS persistent helper
+   threads claim chunks from one atomic ticket; the caller runs every chunk nobody else
+   claimed and then waits only for chunks a helper is running (a few µs each). A helper
+   that is not on a core claims nothing and costs nothing.
+
+   The ticket is (generation << 32) | next chunk. A job's fields live in jobs[gen & 1] and
+   are written before its generation is published (release); a helper claims a chunk
+   with a CAS that also checks the generation, so it never runs a chunk of a job whose
+   fields it might have read torn (the slot is rewritten only two generations later).
+   Helpers spin for SPIN_NS after their last chunk, then sleep on a futex. */
+#define MAX_HELPERS 15
+#define SPIN_NS 200000
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+typedef struct {
+    chunk_fn fn;
+    void *ctx;
+    int64_t n;
+    atomic_long done;
+} job_t;
+
+static job_t jobs[2];
+static _Atomic uint64_t ticket;
+static atomic_int sleepers, wake_word, helpers_started;
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static uint32_t generation;
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* claim and run chunks of generation g until none are left or a newer job is published */
+static void help(uint32_t g) {
+    job_t *job = &jobs[g & 1];
+    const int64_t n = job->n;
+    chunk_fn fn = job->fn;
+    void *ctx = job->ctx;
+    uint64_t t = atomic_load_explicit(&ticket, memory_order_acquire);
+    while ((uint32_t)(t >> 32) == g && (int64_t)(t & 0xffffffffu) < n) {
+        if (atomic_compare_exchange_weak(&ticket, &t, t + 1)) {
+            fn(ctx, (int64_t)(t & 0xffffffffu));
+            atomic_fetch_add_explicit(&job->done, 1, memory_order_release);
+            t = atomic_load_explicit(&ticket, memory_order_acquire);
+        }
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&ticket) >> 32);
+    for (;;) {
+        int64_t idle_since = now_ns();
+        uint32_t g;
+        while ((g = (uint32_t)(atomic_load_explicit(&ticket, memory_order_acquire) >> 32)) == seen) {
+            if (now_ns() - idle_since < SPIN_NS) {
+                _mm_pause();
+                continue;
+            }
+            int w = atomic_load(&wake_word);
+            atomic_fetch_add(&sleepers, 1);
+            if ((uint32_t)(atomic_load(&ticket) >> 32) == seen)
+                syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+            atomic_fetch_sub(&sleepers, 1);
+            idle_since = now_ns();
+        }
+        help(g);
+        seen = g;
+    }
+    return NULL;
+}
+
+static void start_helpers(int want) {
+    pthread_mutex_lock(&start_lock);
+    while (atomic_load(&helpers_started) < want) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, helper_main, NULL) != 0) break;
+        pthread_detach(th);
+        atomic_fetch_add(&helpers_started, 1);
+    }
+    pthread_mutex_unlock(&start_lock);
+}
+
+/* fn(ctx, c) for c in [0, n), on the calling thread and up to threads - 1 helpers */
+static void parallel_for(chunk_fn fn, void *ctx, int64_t n, int threads) {
+    if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&caller_lock) != 0) {
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);  /* alone, or another caller is sharing */
+        return;
+    }
+    int want = threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS;
+    if (atomic_load(&helpers_started) < want) start_helpers(want);
+    uint32_t g = ++generation;
+    job_t *job = &jobs[g & 1];
+    job->fn = fn;
+    job->ctx = ctx;
+    job->n = n;
+    atomic_store_explicit(&job->done, 0, memory_order_relaxed);
+    atomic_store(&ticket, (uint64_t)g << 32); /* seq_cst: publishes the job, then sleepers */
+    if (atomic_load(&sleepers) > 0) {
+        atomic_fetch_add(&wake_word, 1);
+        syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
+    }
+    for (;;) {
+        uint64_t t = atomic_fetch_add(&ticket, 1);
+        int64_t c = (int64_t)(t & 0xffffffffu);
+        if (c >= n) break;
+        fn(ctx, c);
+        atomic_fetch_add_explicit(&job->done, 1, memory_order_release);
+    }
+    while (atomic_load_explicit(&job->done, memory_order_acquire) < n) _mm_pause();
+    pthread_mutex_unlock(&caller_lock);
+}
 
 static inline __m256 widen8(const uint16_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
@@ -28,6 +160,12 @@ static inline __m256 widen8(const uint16_t *p) {
 static inline float widen1(uint16_t b) {
     union { uint32_t u; float f; } c = {(uint32_t)b << 16};
     return c.f;
+}
+
+/* fp32 -> bf16, round to nearest even (what torch's .to(torch.bfloat16) does; NaN aside) */
+static inline uint16_t round_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 static inline float hsum(__m256 v) {
@@ -113,13 +251,99 @@ static inline void rows(const uint16_t *W, const float *x, const float *bias, fl
             STORE(y[m * N + n], dot_tail(W + n * K, x + m * K, 0, K) + (bias ? bias[n] : 0.0f));
 }
 
+/* VDPBF16PS path: rows [n0, n1) of W against M rows of bf16 x (each Kp = K rounded up to
+   32 values, zero padded); four rows of W at a time, the last partial 32-block masked. */
+#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb, const float *bias,
+                                     float *y, int64_t n0, int64_t n1, int64_t N, int64_t K,
+                                     const int M, int acc) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1) : (__mmask32)~0u;
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int R = n1 - n < 4 ? (int)(n1 - n) : 4;
+        __m512 a[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int m = 0; m < M; m++) a[r][m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask32 mk = k + 32 <= K ? (__mmask32)~0u : tail;
+            __m512i w[4];
+            for (int r = 0; r < 4; r++)
+                w[r] = r < R ? _mm512_maskz_loadu_epi16(mk, W + (n + r) * K + k)
+                             : _mm512_setzero_si512();
+            for (int m = 0; m < M; m++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
+                for (int r = 0; r < 4; r++)
+                    a[r][m] = _mm512_dpbf16_ps(a[r][m], (__m512bh)w[r], xv);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++)
+                STORE(y[m * N + n + r], _mm512_reduce_add_ps(a[r][m]) + (bias ? bias[n + r] : 0.0f));
+    }
+}
+
+DP_TARGET static void linear_dp(const uint16_t *W, const uint16_t *xb, const float *bias,
+                                float *y, int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t M,
+                                int acc) {
+    switch (M) {
+        case 1: rows_dp(W, xb, bias, y, n0, n1, N, K, 1, acc); break;
+        case 2: rows_dp(W, xb, bias, y, n0, n1, N, K, 2, acc); break;
+        case 3: rows_dp(W, xb, bias, y, n0, n1, N, K, 3, acc); break;
+        default: rows_dp(W, xb, bias, y, n0, n1, N, K, 4, acc); break;
+    }
+}
+
+typedef struct {
+    const uint16_t *W;
+    const float *x, *xp;
+    const uint16_t *xb;
+    const float *bias;
+    float *y;
+    int64_t M, N, K;
+    int acc;
+    int64_t rows; /* per chunk, a multiple of 16 */
+} linear_job;
+
+static void linear_chunk(void *ctx, int64_t c) {
+    const linear_job *j = ctx;
+    const int64_t n0 = c * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
+    if (j->xb) {
+        linear_dp(j->W, j->xb, j->bias, j->y, n0, n1, j->N, j->K, j->M, j->acc);
+    } else if (j->xp) {
+        gemv_rows(j->W, j->xp, j->x, j->bias, j->y, n0, n1, j->K, j->acc);
+    } else {
+        switch (j->M) {
+            case 1: rows(j->W, j->x, j->bias, j->y, n0, n1, j->N, j->K, 1, j->acc); break;
+            case 2: rows(j->W, j->x, j->bias, j->y, n0, n1, j->N, j->K, 2, j->acc); break;
+            case 3: rows(j->W, j->x, j->bias, j->y, n0, n1, j->N, j->K, 3, j->acc); break;
+            default: rows(j->W, j->x, j->bias, j->y, n0, n1, j->N, j->K, 4, j->acc); break;
+        }
+    }
+}
+
+/* mode 0: exact fp32 x, widened weights (AVX2). mode 1: x rounded to bf16 first, dot
+   products by VDPBF16PS. mode 2: x rounded to bf16, then the widening path (the same
+   values as mode 1 on a CPU without AVX512-BF16). */
 int sluice_bf16_linear(const uint16_t *W, const float *x, const float *bias, float *y,
-                       int64_t M, int64_t N, int64_t K, int threads, int acc) {
-    if (M < 1 || M > 4 || threads < 1) return -1;
-    float *xp = NULL;
-    if (M == 1 && K % 16 == 0) {
+                       int64_t M, int64_t N, int64_t K, int threads, int acc, int mode) {
+    if (M < 1 || M > 4 || threads < 1 || mode < 0 || mode > 2) return -1;
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    float *xp = NULL, *xr = NULL;
+    uint16_t *xb = NULL;
+    if (mode == 1) {
+        xb = calloc(M * Kp, sizeof(uint16_t));
+        if (!xb) return -2;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = round_bf16(x[m * K + k]);
+    } else if (mode == 2) {
+        xr = malloc(M * K * sizeof(float));
+        if (!xr) return -2;
+        for (int64_t i = 0; i < M * K; i++) xr[i] = widen1(round_bf16(x[i]));
+        x = xr;
+    }
+    if (mode != 1 && M == 1 && K % 16 == 0) {
         xp = malloc(K * sizeof(float));
-        if (!xp) return -2;
+        if (!xp) { free(xr); return -2; }
         for (int64_t k = 0; k < K; k += 16)
             for (int i = 0; i < 4; i++) {
                 xp[k + i] = x[k + i];
@@ -128,25 +352,13 @@ int sluice_bf16_linear(const uint16_t *W, const float *x, const float *bias, flo
                 xp[k + 12 + i] = x[k + 12 + i];
             }
     }
-    #pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* even split in units of 16 output rows */
-        int64_t units = (N + 15) / 16;
-        int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        int64_t n0 = u0 * 16, n1 = u1 * 16 < N ? u1 * 16 : N;
-        if (xp) {
-            gemv_rows(W, xp, x, bias, y, n0, n1, K, acc);
-        } else {
-            switch (M) {
-                case 1: rows(W, x, bias, y, n0, n1, N, K, 1, acc); break;
-                case 2: rows(W, x, bias, y, n0, n1, N, K, 2, acc); break;
-                case 3: rows(W, x, bias, y, n0, n1, N, K, 3, acc); break;
-                default: rows(W, x, bias, y, n0, n1, N, K, 4, acc); break;
-            }
-        }
-    }
+    linear_job job = {W, x, xp, xb, bias, y, M, N, K, acc, 16};
+    /* chunks of about 64 KB of weights (~3 µs from DRAM), whole 16-row units */
+    while (job.rows < N && job.rows * K * 2 < 65536) job.rows += 16;
+    parallel_for(linear_chunk, &job, (N + job.rows - 1) / job.rows, threads);
     free(xp);
+    free(xr);
+    free(xb);
     return 0;
 }
 
@@ -195,52 +407,109 @@ void sluice_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
     }
 }
 
+static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+    int64_t n8 = n & ~(int64_t)7, i = 0;
+    __m256 s = _mm256_setzero_ps();
+    for (; i < n8; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), widen8(b + i), s);
+    float t = hsum(s);
+    for (; i < n; i++) t += a[i] * widen1(b[i]);
+    return t;
+}
+
+/* o += w * v for fp32 or bf16 v */
+static inline void axpy(float *o, float w, const void *v, int64_t n, int bf16) {
+    int64_t n8 = n & ~(int64_t)7, i = 0;
+    const __m256 wv = _mm256_set1_ps(w);
+    if (bf16) {
+        const uint16_t *b = v;
+        for (; i < n8; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, widen8(b + i), _mm256_loadu_ps(o + i)));
+        for (; i < n; i++) o[i] += w * widen1(b[i]);
+    } else {
+        const float *f = v;
+        for (; i < n8; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(f + i), _mm256_loadu_ps(o + i)));
+        for (; i < n; i++) o[i] += w * f[i];
+    }
+}
+
+typedef struct {
+    const float *qkv;
+    int64_t qs;
+    const void *cache;
+    const int64_t *table;
+    int64_t nblk;
+    const int64_t *num_keys;
+    int64_t window, Hq, Hkv, D, bs;
+    float scale;
+    float *out;
+    int cache_bf16;
+    atomic_int bad;
+} attn_job;
+
+/* one (request, query head) of sluice_attn_decode */
+static void attn_chunk(void *ctx, int64_t task) {
+    attn_job *a = ctx;
+    const int64_t Hq = a->Hq, Hkv = a->Hkv, D = a->D, bs = a->bs, nblk = a->nblk;
+    const int64_t row = 2 * Hkv * D, G = Hq / Hkv;
+    const int64_t p = task / Hq, hq = task % Hq, kvh = hq / G;
+    const int64_t end = a->num_keys[p];
+    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
+    const float *qv = a->qkv + p * a->qs + hq * D;
+    const int64_t *table = a->table;
+    const size_t esize = a->cache_bf16 ? 2 : 4;
+    float *o = a->out + (p * Hq + hq) * D;
+    float *s = malloc((size_t)(end - start + 1) * sizeof(float));
+    if (!s) {
+        atomic_store(&a->bad, 1);
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t j = start; j < end; j++) {
+        const int64_t off = (table[p * nblk + j / bs] * bs + j % bs) * row + kvh * D;
+        const char *k = (const char *)a->cache + off * esize;
+        float v = (a->cache_bf16 ? dot_bf16(qv, (const uint16_t *)k, D)
+                                 : dot(qv, (const float *)k, D)) * a->scale;
+        s[j - start] = v;
+        mx = v > mx ? v : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t j = start; j < end; j++) sum += (s[j - start] = expf(s[j - start] - mx));
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t j = start; j < end; j++) {
+        const int64_t off = (table[p * nblk + j / bs] * bs + j % bs) * row + (Hkv + kvh) * D;
+        axpy(o, s[j - start] / sum, (const char *)a->cache + off * esize, D, a->cache_bf16);
+    }
+    free(s);
+}
+
 /* One decode step of P requests (one query token each) over the paged cache
-   [blocks, bs, 2, Hkv, D] (K then V per slot). Row p of `qkv` (stride `qs` floats) holds
-   the request's q (Hq*D) then its new K|V (2*Hkv*D), which is first written into slot
-   slots[p]. Query head hq (KV head hq / (Hq / Hkv)) then attends to keys [start,
-   num_keys[p]) found through table[p] (nblk blocks), start = num_keys - window when
-   window > 0. Two-pass softmax in fp32. out: [P, Hq, D]. */
-int sluice_attn_decode(const float *qkv, int64_t qs, float *cache, const int64_t *slots,
+   [blocks, bs, 2, Hkv, D] (K then V per slot; fp32, or bf16 when cache_bf16). Row p of
+   `qkv` (stride `qs` floats) holds the request's q (Hq*D) then its new K|V (2*Hkv*D),
+   which is first written into slot slots[p] (rounded to nearest even for a bf16 cache).
+   Query head hq (KV head hq / (Hq / Hkv)) then attends to keys [start, num_keys[p])
+   found through table[p] (nblk blocks), start = num_keys - window when window > 0.
+   Two-pass softmax in fp32. out: [P, Hq, D]. */
+int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t *slots,
                        const int64_t *table, int64_t nblk, const int64_t *num_keys,
                        int64_t window, int64_t P, int64_t Hq, int64_t Hkv, int64_t D,
-                       int64_t bs, float scale, float *out, int threads) {
+                       int64_t bs, float scale, float *out, int threads, int cache_bf16) {
     const int64_t row = 2 * Hkv * D;
     for (int64_t p = 0; p < P; p++) {
-        float *dst = cache + slots[p] * row;
         const float *src = qkv + p * qs + Hq * D;
-        for (int64_t i = 0; i < row; i++) dst[i] = src[i];
+        if (cache_bf16) {
+            uint16_t *dst = (uint16_t *)cache + slots[p] * row;
+            for (int64_t i = 0; i < row; i++) dst[i] = round_bf16(src[i]);
+        } else {
+            float *dst = (float *)cache + slots[p] * row;
+            for (int64_t i = 0; i < row; i++) dst[i] = src[i];
+        }
     }
     int64_t maxk = 0;
     for (int64_t p = 0; p < P; p++) maxk = num_keys[p] > maxk ? num_keys[p] : maxk;
     if (maxk > nblk * bs) return -1;
-    const int64_t G = Hq / Hkv;
-    int bad = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-    for (int64_t task = 0; task < P * Hq; task++) {
-        const int64_t p = task / Hq, hq = task % Hq, kvh = hq / G;
-        const int64_t end = num_keys[p];
-        const int64_t start = window > 0 && end > window ? end - window : 0;
-        const float *qv = qkv + p * qs + hq * D;
-        float *o = out + (p * Hq + hq) * D;
-        float *s = malloc((size_t)(end - start + 1) * sizeof(float));
-        if (!s) { bad = 1; continue; }
-        float mx = -INFINITY;
-        for (int64_t j = start; j < end; j++) {
-            const float *k = cache + (table[p * nblk + j / bs] * bs + j % bs) * row + kvh * D;
-            float v = dot(qv, k, D) * scale;
-            s[j - start] = v;
-            mx = v > mx ? v : mx;
-        }
-        float sum = 0.0f;
-        for (int64_t j = start; j < end; j++) sum += (s[j - start] = expf(s[j - start] - mx));
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        for (int64_t j = start; j < end; j++) {
-            const float *v = cache + (table[p * nblk + j / bs] * bs + j % bs) * row + (Hkv + kvh) * D;
-            const float w = s[j - start] / sum;
-            for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
-        }
-        free(s);
-    }
-    return bad ? -2 : 0;
+    attn_job job = {qkv, qs, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale,
+                    out, cache_bf16, 0};
+    parallel_for(attn_chunk, &job, P * Hq, threads);
+    return atomic_load(&job.bad) ? -2 : 0;
 }

@@ -23,11 +23,16 @@ logger = logging.getLogger(__name__)
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
 
-    With `small_dtype` (bf16 weights computed in fp32 on a CPU without native bf16), it
-    also keeps the weight in that dtype for calls of at most `kernels.MAX_ROWS` rows, which
-    the bf16 GEMV kernel serves at memory speed: batch-1 decode streams half the bytes of
-    fp32 (measured on the AVX2 EPYC, 512x2816: 0.08-0.10 ms vs 0.16-0.18 ms fp32
-    prepacked; 512x32000: 2.0-2.5 vs 3.5 ms). That copy costs 50 % more weight memory.
+    With `small_dtype` bf16 (a bf16 checkpoint) it also keeps the weight in bf16 for fp32
+    inputs of at most `kernels.MAX_ROWS` rows (the fused decode path), which the bf16
+    GEMV kernel serves at memory speed:
+    - computed in fp32 on a CPU without native bf16 (the weight here is the fp32 upcast):
+      batch-1 decode streams half the bytes of fp32 (measured on the AVX2 EPYC, 512x2816:
+      0.08-0.10 ms vs 0.16-0.18 ms fp32 prepacked; 512x32000: 2.0-2.5 vs 3.5 ms); the
+      bf16 copy costs 50 % more weight memory;
+    - computed in bf16 (native): x is rounded to bf16 as the bf16 path rounds it, and the
+      checkpoint's bf16 tensor is kept beside the packed one (twice the weight memory);
+      the kernel's fp32 output spares the casts and small ops around oneDNN's bf16 GEMV.
     """
 
     def __init__(
@@ -39,15 +44,24 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ops = kernels.cpu_ops() if small_dtype == torch.bfloat16 else None
-        self.small_weight = None
-        if self.ops is not None and w.dtype == torch.float32:
+        self.small_weight: torch.Tensor | None = None
+        self.small_bias = None if self.bias is None else self.bias.float()
+        self.round_x = w.dtype == torch.bfloat16  # computing in bf16: matmul inputs are bf16
+        if self.ops is not None and w.dtype in (torch.float32, torch.bfloat16):
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias); with `out`, added into it (one kernel call on the bf16 path)."""
-        if self.small_weight is not None and x.shape[0] <= kernels.MAX_ROWS:
+        """x @ W.T (+ bias); with `out`, added into it (one kernel call on the bf16 path).
+        An fp32 x of a bf16-computing layer gets an fp32 result (the fused decode path)."""
+        if (
+            self.small_weight is not None
+            and x.shape[0] <= kernels.MAX_ROWS
+            and x.dtype == torch.float32
+        ):
             assert self.ops is not None
-            return self.ops.bf16_linear(x.contiguous(), self.small_weight, self.bias, out=out)
+            return self.ops.bf16_linear(
+                x.contiguous(), self.small_weight, self.small_bias, out=out, round_x=self.round_x
+            )
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )

@@ -192,7 +192,8 @@ class DecoderLayer(nn.Module):
     def forward_decode(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        """`forward` for a step of a few decoding requests on CPU in fp32: the same math,
+        """`forward` for a step of a few decoding requests on CPU, activations in fp32 (a
+        bf16-computing model rounds the projection inputs to bf16 in the GEMV): the same math,
         each small op one fused kernel call (norm, RoPE, attention with the K|V write,
         SiLU*up) and the residual adds done by the projections where they can.
         `rope` is the whole rotation table as fp32 pairs [positions, head_dim/2, 2]."""

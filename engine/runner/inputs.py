@@ -37,7 +37,7 @@ def prepare_inputs(
     cpu_ops: kernels.CpuOps | None = None,
 ) -> StepInputs:
     """`cpu_ops`: use the fused decode kernels when this step is only decodes (at most
-    kernels.MAX_ROWS of them); the runner passes them on CPU in fp32."""
+    kernels.MAX_ROWS of them); the runner passes them on CPU (model_runner._fp32_decode_ready)."""
     decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
     prefills = [s for s in sched.scheduled if s.num_new_tokens != 1]
     ids: list[int] = []

@@ -15,7 +15,7 @@ import torch
 from engine import kernels
 from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from engine.models.cpu_linear import native_low_precision, pack_linears
+from engine.models.cpu_linear import PackedLinear, native_low_precision, pack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
@@ -60,6 +60,22 @@ def upcast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             m.set_output_dtype(dtype)
 
 
+def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
+    """Whether every layer projection maps an fp32 input of a few rows to an fp32 output:
+    fp32 weights, a bf16 copy for the kernel (PackedLinear.small_weight), or int8 with an
+    fp32 output (computing in fp32)."""
+
+    def fp32_out(proj: torch.nn.Module) -> bool:
+        if isinstance(proj, PackedLinear):
+            return proj.small_weight is not None or proj.packed.dtype == torch.float32
+        if isinstance(proj, Int8Linear):
+            return proj.out_dtype == torch.float32
+        return isinstance(proj, torch.nn.Linear) and proj.weight.dtype == torch.float32
+
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return all(fp32_out(getattr(layer, n)) for layer in model.layers for n in names)
+
+
 class ModelRunner:
     """Runs `model` (already on `config.device` in `config.dtype`) over a paged KV cache.
 
@@ -85,7 +101,8 @@ class ModelRunner:
         self.num_packed = 0
         if self.device.type == "cpu" and pack_linears_enabled(config):
             names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-            small = self.weights_dtype if self.weights_dtype != self.dtype else None
+            # bf16 checkpoints keep a bf16 weight for the fused decode path (PackedLinear)
+            small = torch.bfloat16 if self.weights_dtype == torch.bfloat16 else None
             self.num_packed = pack_linears(model, names, self.dtype, small_dtype=small)
         mc = model.config
         self.block_size = config.block_size
@@ -101,10 +118,11 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         model.cache_rope(config.max_model_len)
-        # fused decode kernels (engine.kernels): CPU, fp32 compute, a precomputed RoPE table
+        # fused decode kernels (engine.kernels): CPU, a precomputed RoPE table, and
+        # projections that take the fp32 activations of that path to an fp32 result
         self.cpu_ops = (
             kernels.cpu_ops()
-            if self.device.type == "cpu" and self.dtype == torch.float32 and model.has_rope_cache
+            if self.device.type == "cpu" and model.has_rope_cache and _fp32_decode_ready(model)
             else None
         )
         self.sampler = Sampler(seed=config.seed)

@@ -1,7 +1,13 @@
-"""The AVX2 bf16 GEMV kernel and the fp32 compute path for bf16 models on CPUs without bf16."""
+"""The CPU decode kernels (bf16 GEMV, fused small ops, paged decode attention, the work
+sharing under them) and the fp32 compute path for bf16 models on CPUs without bf16."""
 
 from __future__ import annotations
 
+import copy
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +44,90 @@ def test_bf16_kernel_matches_fp32_linear(rows: int, k: int, n: int, with_bias: b
     acc = torch.randn(rows, n, generator=g)
     torch.testing.assert_close(ops.bf16_linear(x, w, bias, out=acc.clone()), acc + ref,
                                rtol=1e-5, atol=1e-4)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("hardware_dot", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize(("k", "n"), [(512, 768), (1000, 37), (48, 5), (1408, 33)])
+def test_bf16_kernel_rounding_x_matches_a_bf16_matmul(
+    hardware_dot: bool, rows: int, k: int, n: int
+) -> None:
+    """round_x (a model computing in bf16): x rounded to bf16, exact products summed in
+    fp32: F.linear on the rounded values, with AVX512-BF16 (where the CPU has it) or
+    without (the widening path), K not a multiple of 32 included."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    if hardware_dot and not ops.bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    ops = copy.copy(ops)
+    ops.bf16_dot = hardware_dot
+    g = torch.Generator().manual_seed(rows * 5 + k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    ref = torch.nn.functional.linear(x.to(torch.bfloat16).float(), w.float(), bias)
+    torch.testing.assert_close(ops.bf16_linear(x, w, bias, round_x=True), ref,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+    acc = torch.randn(rows, n, generator=g)
+    out = ops.bf16_linear(x, w, bias, out=acc.clone(), round_x=True)
+    torch.testing.assert_close(out, acc + ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_work_sharing_gives_every_chunk_once_at_any_thread_count() -> None:
+    """The lm_head-sized GEMV (hundreds of chunks) at 1-4 threads, many calls in a row:
+    identical results each time (every chunk run exactly once, none skipped)."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(4000, 512, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 512, generator=g)
+    ref = torch.nn.functional.linear(x, w.float())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            for _ in range(50):
+                torch.testing.assert_close(ops.bf16_linear(x, w, None), ref, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+_BUSY = "import time\nt = time.time() + {s}\nwhile time.time() < t: pass\n"
+
+
+@needs_kernel
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_shared_kernels_do_not_wait_for_a_helper_that_is_off_its_core() -> None:
+    """With a busy process on every core, 2-thread GEMVs take about as long as 1-thread
+    ones (an OpenMP barrier waited out a scheduler slice per call: 30x slower here)."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    w = torch.randn(2816, 512).to(torch.bfloat16)
+    x = torch.randn(1, 512)
+    before = torch.get_num_threads()
+
+    def per_call(threads: int) -> float:
+        torch.set_num_threads(threads)
+        ops.bf16_linear(x, w, None)
+        t = time.perf_counter()
+        for _ in range(200):
+            ops.bf16_linear(x, w, None)
+        return (time.perf_counter() - t) / 200
+
+    n = os.cpu_count() or 2
+    busy = [subprocess.Popen([sys.executable, "-c", _BUSY.format(s=20)]) for _ in range(n)]
+    try:
+        time.sleep(0.2)
+        one, two = per_call(1), per_call(2)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        torch.set_num_threads(before)
+    # generous: a shared call may lose a few slices to the scheduler, but not one per call
+    assert two < 4 * one + 1e-3, (one, two)
 
 
 @needs_kernel
@@ -112,14 +202,16 @@ def test_fused_small_ops_match_torch() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 5])
-def test_fused_decode_attention_matches_sdpa(window: int | None) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_matches_sdpa(window: int | None, dtype: torch.dtype) -> None:
     """Three requests over scattered blocks (GQA 4 query heads per KV head): the new K|V
-    lands in its slot and the output equals SDPA over each request's visible keys."""
+    lands in its slot (rounded, in a bf16 cache) and the output equals SDPA over each
+    request's visible keys."""
     ops = kernels.cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(5)
     hq, hkv, d, bs = 8, 2, 16, 4
-    cache = torch.randn(12, bs, 2, hkv, d, generator=g)
+    cache = torch.randn(12, bs, 2, hkv, d, generator=g).to(dtype)
     tables = [[3, 7, 1], [5, 2], [9, 10, 11]]
     num_keys = [11, 6, 9]  # the last key of each is this step's token
     table = torch.zeros(3, 3, dtype=torch.int64)
@@ -129,9 +221,9 @@ def test_fused_decode_attention_matches_sdpa(window: int | None) -> None:
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in pairs])
     qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
     out = ops.attn_decode(qkv, hq, cache, slots, table, torch.tensor(num_keys), window)
-    flat = cache.view(-1, 2, hkv, d)
+    flat = cache.float().view(-1, 2, hkv, d)
     for i, (t, n) in enumerate(pairs):
-        torch.testing.assert_close(flat[slots[i]].reshape(-1), qkv[i, hq * d :])
+        torch.testing.assert_close(flat[slots[i]].reshape(-1), qkv[i, hq * d :].to(dtype).float())
         keys = torch.cat([flat[b * bs : (b + 1) * bs] for b in t])[:n]
         if window is not None:
             keys = keys[max(0, n - window) :]
@@ -140,3 +232,26 @@ def test_fused_decode_attention_matches_sdpa(window: int | None) -> None:
         q = qkv[i, : hq * d].view(hq, 1, d)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).reshape(-1)
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.skipif(not native_low_precision(torch.bfloat16), reason="bf16 is emulated here")
+def test_bf16_model_with_native_bf16_decodes_through_the_kernels_with_the_same_tokens(
+    tmp_path: Path,
+) -> None:
+    """Computing in bf16, steps of a few decodes take the fused path (fp32 activations,
+    x rounded to bf16 in the GEMV, a bf16 KV cache); the tokens equal the torch path's."""
+    torch.set_num_threads(2)
+    prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12, 70, 6], [40, 41, 42]]
+    tokens = []
+    for fused in (True, False):
+        lm = load_model("tiny-llama", data_dir=tmp_path, dtype="bfloat16")
+        runner = ModelRunner(
+            lm.model, EngineConfig(num_kv_blocks=16, block_size=16, dtype="bfloat16")
+        )
+        assert runner.dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
+        assert runner.cpu_ops is not None
+        if not fused:
+            runner.cpu_ops = None
+        tokens.append(run_greedy(runner, prompts, 12))
+    assert tokens[0] == tokens[1]
