@@ -13,6 +13,7 @@ model is the tiny-llama machinery with a config override (hidden 512, 8 layers, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -146,7 +147,9 @@ def _median_run(fns: dict[str, Any], reps: int) -> dict[str, dict]:
 
 
 def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: str, quick: bool,
-                  vocab: int, gguf: Path | None) -> dict:  # fmt: skip
+                  vocab: int, ggufs: dict[str, Path]) -> dict:  # fmt: skip
+    """`ggufs`: llama.cpp peers by system name (llama_cpp: the same dtype; llama_cpp_q8_0:
+    the int8 peer), run in the same interleaved reps."""
     new = 32 if quick else 128
     prompt = [random.Random(1).randrange(4, vocab) for _ in range(64)]
     engine = SluiceRun(lm, dtype)
@@ -157,15 +160,25 @@ def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: 
     if lm_int8 is not None:
         engine_int8 = SluiceRun(lm_int8, dtype)
         fns["sluice_int8"] = lambda: _sluice_batch1(engine_int8, prompt, new)
-    systems = _median_run(fns, 1 if quick else 3)
-    if gguf is not None and peers.llama_cpp_available():
-        systems["llama_cpp"] = peers.llama_cpp_batch1(gguf, prompt, new)
-    ratios = {"sluice_vs_hf_generate": _ratio(systems["sluice"], systems["hf_generate"])}
-    if "sluice_int8" in systems:
-        ratios["sluice_int8_vs_hf_generate"] = _ratio(
-            systems["sluice_int8"], systems["hf_generate"]
-        )
-    return {"systems": systems, "ratios": ratios, "reps": 1 if quick else 3}
+    if peers.llama_cpp_available():
+        for name, path in ggufs.items():
+            generate = peers.llama_cpp_batch1(path)
+            generate(prompt, 4)  # warm-up, as the others get
+            fns[name] = functools.partial(generate, prompt, new)
+    reps = 1 if quick else 3
+    systems = _median_run(fns, reps)
+    pairs = [
+        ("sluice", "hf_generate"),
+        ("sluice_int8", "hf_generate"),
+        ("sluice", "llama_cpp"),
+        ("sluice_int8", "llama_cpp_q8_0"),
+    ]
+    ratios = {
+        f"{a}_vs_{b}": _ratio(systems[a], systems[b])
+        for a, b in pairs
+        if a in systems and b in systems
+    }
+    return {"systems": systems, "ratios": ratios, "reps": reps}
 
 
 def _bench_shared_prefix(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:
@@ -195,7 +208,9 @@ def run(
     json_out: bool = False,
     data_dir: str | None = None,
     gguf: str | None = None,
+    gguf_q8: str | None = None,
 ) -> dict:
+    """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
     if model is None:
@@ -206,6 +221,7 @@ def run(
     lm_int8 = load_model(path, dtype=dtype, quantization="int8")
     hf = peers.load_hf(path, lm.dtype)
     vocab = lm.config.vocab_size
+    ggufs = {k: Path(v) for k, v in (("llama_cpp", gguf), ("llama_cpp_q8_0", gguf_q8)) if v}
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "model": str(path),
@@ -220,17 +236,15 @@ def run(
         ),
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "workloads": {
-            "batch1": _bench_batch1(
-                lm, lm_int8, hf, dtype, quick, vocab, Path(gguf) if gguf else None
-            ),
+            "batch1": _bench_batch1(lm, lm_int8, hf, dtype, quick, vocab, ggufs),
             "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
             "mixed": _bench_mixed(lm, hf, dtype, quick, vocab),
         },
     }
     if not peers.llama_cpp_available():
         result["skipped"] = {"llama_cpp": "llama-cpp-python is not importable"}
-    elif gguf is None:
-        result["skipped"] = {"llama_cpp": "no --gguf file given"}
+    elif not ggufs:
+        result["skipped"] = {"llama_cpp": "no --gguf / --gguf-q8 file given"}
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return result
 
@@ -267,9 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--data-dir", help="where the preset model is created (default ~/.sluice)")
-    ap.add_argument("--gguf", help="GGUF of the same weights, for the llama.cpp peer")
+    ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for the llama.cpp peer")
+    ap.add_argument("--gguf-q8", help="q8_0 GGUF of the same weights, beside Sluice's int8")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.model, args.dtype, args.json, args.data_dir, args.gguf)
+    result = run(
+        args.quick, args.model, args.dtype, args.json, args.data_dir, args.gguf, args.gguf_q8
+    )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

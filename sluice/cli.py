@@ -111,6 +111,9 @@ def bench_engine(
     gguf: Annotated[
         str | None, typer.Option(help="GGUF of the same weights, for llama.cpp when installed.")
     ] = None,
+    gguf_q8: Annotated[
+        str | None, typer.Option(help="q8_0 GGUF of the same weights, beside Sluice's int8.")
+    ] = None,
 ) -> None:
     """Sluice's engine vs HF generate and transformers continuous batching, side by side.
 
@@ -122,7 +125,14 @@ def bench_engine(
     except ImportError as exc:
         typer.echo(f"bench engine needs the test extra: pip install -e '.[test]' ({exc})", err=True)
         raise typer.Exit(2) from exc
-    result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir), gguf=gguf)
+    result = run(
+        quick=quick,
+        model=model,
+        dtype=dtype,
+        data_dir=str(settings.data_dir),
+        gguf=gguf,
+        gguf_q8=gguf_q8,
+    )
     emit(result, render, as_json)
 
 

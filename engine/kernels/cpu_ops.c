@@ -252,33 +252,63 @@ static inline void rows(const uint16_t *W, const float *x, const float *bias, fl
 }
 
 /* VDPBF16PS path: rows [n0, n1) of W against M rows of bf16 x (each Kp = K rounded up to
-   32 values, zero padded); four rows of W at a time, the last partial 32-block masked. */
+   32 values, zero padded); four rows of W at a time, a last partial 32-block masked. */
 #define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb, const float *bias,
                                      float *y, int64_t n0, int64_t n1, int64_t N, int64_t K,
                                      const int M, int acc) {
-    const int64_t Kp = (K + 31) & ~(int64_t)31;
-    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1) : (__mmask32)~0u;
-    for (int64_t n = n0; n < n1; n += 4) {
-        const int R = n1 - n < 4 ? (int)(n1 - n) : 4;
-        __m512 a[4][4];
-        for (int r = 0; r < 4; r++)
-            for (int m = 0; m < M; m++) a[r][m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            const __mmask32 mk = k + 32 <= K ? (__mmask32)~0u : tail;
-            __m512i w[4];
-            for (int r = 0; r < 4; r++)
-                w[r] = r < R ? _mm512_maskz_loadu_epi16(mk, W + (n + r) * K + k)
-                             : _mm512_setzero_si512();
+    const int64_t Kp = (K + 31) & ~(int64_t)31, K32 = K & ~(int64_t)31;
+    const __mmask32 tail = (__mmask32)((1ull << (K % 32)) - 1);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        const uint16_t *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        __m512 a0[4], a1[4], a2[4], a3[4];
+        for (int m = 0; m < M; m++) a0[m] = a1[m] = a2[m] = a3[m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K32; k += 32) {
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
+            __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + k);
+            __m512bh v2 = (__m512bh)_mm512_loadu_si512(w2 + k);
+            __m512bh v3 = (__m512bh)_mm512_loadu_si512(w3 + k);
             for (int m = 0; m < M; m++) {
                 __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
-                for (int r = 0; r < 4; r++)
-                    a[r][m] = _mm512_dpbf16_ps(a[r][m], (__m512bh)w[r], xv);
+                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
+                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+                a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
+                a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++)
-                STORE(y[m * N + n + r], _mm512_reduce_add_ps(a[r][m]) + (bias ? bias[n + r] : 0.0f));
+        if (K32 < K) {
+            __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w0 + K32);
+            __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w1 + K32);
+            __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w2 + K32);
+            __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w3 + K32);
+            for (int m = 0; m < M; m++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + K32);
+                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
+                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+                a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
+                a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            float *ym = y + m * N + n;
+            STORE(ym[0], _mm512_reduce_add_ps(a0[m]) + (bias ? bias[n] : 0.0f));
+            STORE(ym[1], _mm512_reduce_add_ps(a1[m]) + (bias ? bias[n + 1] : 0.0f));
+            STORE(ym[2], _mm512_reduce_add_ps(a2[m]) + (bias ? bias[n + 2] : 0.0f));
+            STORE(ym[3], _mm512_reduce_add_ps(a3[m]) + (bias ? bias[n + 3] : 0.0f));
+        }
+    }
+    for (; n < n1; n++) {
+        const uint16_t *w0 = W + n * K;
+        for (int m = 0; m < M; m++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < Kp; k += 32) {
+                __mmask32 mk = k + 32 <= K ? (__mmask32)~0u : tail;
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, w0 + k),
+                                     (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
+            }
+            STORE(y[m * N + n], _mm512_reduce_add_ps(a) + (bias ? bias[n] : 0.0f));
+        }
     }
 }
 

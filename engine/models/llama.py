@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import CpuOps
 from engine.runner.attention import AttentionMetadata, paged_attention
 
 
@@ -306,7 +307,14 @@ class LlamaForCausalLM(nn.Module):
             h = layer.forward(h, rope, meta, kv_cache)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, cpu_ops: CpuOps | None = None) -> torch.Tensor:
+        """fp32 logits. With `cpu_ops` (a fused decode step) the norm is one kernel call and
+        the lm_head takes the fp32 activations (its bf16 kernel: no torch thread pool wakes
+        up in a decode step, whose helpers would contend with the kernels' own)."""
+        if cpu_ops is not None:
+            return self.lm_head.forward(
+                cpu_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+            ).float()
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps, self.compute_dtype)
         return self.lm_head.forward(x).float()
 

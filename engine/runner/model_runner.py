@@ -61,7 +61,7 @@ def upcast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
-    """Whether every layer projection maps an fp32 input of a few rows to an fp32 output:
+    """Whether every projection (and the lm_head) maps an fp32 input of a few rows to fp32:
     fp32 weights, a bf16 copy for the kernel (PackedLinear.small_weight), or int8 with an
     fp32 output (computing in fp32)."""
 
@@ -73,7 +73,8 @@ def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
         return isinstance(proj, torch.nn.Linear) and proj.weight.dtype == torch.float32
 
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    return all(fp32_out(getattr(layer, n)) for layer in model.layers for n in names)
+    projections = [getattr(layer, n) for layer in model.layers for n in names]
+    return all(fp32_out(p) for p in [*projections, model.lm_head])
 
 
 class ModelRunner:
@@ -154,7 +155,7 @@ class ModelRunner:
                 return RunnerOutput()
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops)
             params = [s.request.sampling_params for s in inputs.sampling]
             if all(p.temperature == 0.0 and p.logprobs is None for p in params):
                 # greedy without logprobs (the common case): argmax is all there is to do
