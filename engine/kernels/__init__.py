@@ -50,7 +50,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I], None),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
     "sluice_attn_decode": (
-        [_P, _I, _P, _P, _P, _I, _P] + [_I] * 6 + [ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
+        [_P, _I, _P, _P, _P, _I, _P, *[_I] * 6, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
 }
