@@ -73,8 +73,7 @@ class LanePoller:
 
     def _join_control(self) -> None:
         """Join the control group before serving: its 'latest' position is taken at
-        assignment, so a cancel published before then would never be seen. Polling it
-        only with a zero timeout leaves the join unfinished (kafka-python), so wait here."""
+        assignment, so a cancel published before then would never be seen; wait here."""
         control = self._control
         assert control is not None
         deadline = time.monotonic() + self.join_timeout_s

@@ -25,8 +25,8 @@ def settings_or_exit(cls: type[S], **overrides: Any) -> S:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     if settings.log_level != "DEBUG":
-        # kafka-python narrates every (re)join at INFO; keep its warnings and errors.
-        logging.getLogger("kafka").setLevel(logging.WARNING)
+        # librdkafka's own log (bus.kafka.rdkafka) narrates reconnects; keep its errors
+        logging.getLogger("bus.kafka.rdkafka").setLevel(logging.ERROR)
     return settings
 
 

@@ -153,10 +153,11 @@ def test_paused_partitions_deliver_nothing_until_resumed(
 def test_a_partition_paused_with_records_in_line_delivers_them_after_resume(
     bus: EventBus, topic: str, group: str
 ) -> None:
-    """The engine worker pauses lanes mid-stream. kafka-python 3.0.12 parks a paused
-    partition's fetched records and, after resume, restored them only when its in-line slot
-    was None, not an exhausted batch: the partition then stalled for good (the tail of a
-    lane was never delivered at the end of a loaded `bench serving` run)."""
+    """The engine worker pauses lanes mid-stream. kafka-python 3.0.12 (the bus's earlier
+    client) parked a paused partition's fetched records and, after resume, restored them
+    only when its in-line slot was None, not an exhausted batch: the partition then
+    stalled for good (the tail of a lane was never delivered at the end of a loaded
+    `bench serving` run). Kept for any client."""
     bus.create_topics([TopicSpec(topic, 2)])
     consumer = bus.consumer(group, [topic])
     wait_until(
