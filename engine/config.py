@@ -33,6 +33,11 @@ class EngineConfig:
     one request per step, so long prompts do not stall decodes.
     enable_chunked_prefill: off means a prompt is scheduled whole, so
     max_num_batched_tokens must cover max_model_len.
+    priority_background_tokens: under the priority policy, while requests of a better
+    priority than others are in the engine (and for `priority_hold_s` after the last one
+    left), the others get at most this many tokens per step, so the steps that serve the
+    urgent requests stay short: an interactive request's TTFT is about two steps, and a
+    step of 64 batch decodes took ~36 ms on one core of the 2-core EPYC. -1 = no cap.
     """
 
     device: str = "cpu"
@@ -47,6 +52,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    priority_background_tokens: int = 16
+    priority_hold_s: float = 0.5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,6 +94,13 @@ class EngineConfig:
                 f"long_prefill_token_threshold must be >= 0 (0 = off), got "
                 f"{self.long_prefill_token_threshold}"
             )
+        if self.priority_background_tokens < -1:
+            fail(
+                f"priority_background_tokens must be >= 0, or -1 for no cap, got "
+                f"{self.priority_background_tokens}"
+            )
+        if self.priority_hold_s < 0:
+            fail(f"priority_hold_s must be >= 0, got {self.priority_hold_s}")
         if self.scheduling_policy not in _POLICIES:
             fail(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
 

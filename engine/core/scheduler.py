@@ -13,6 +13,11 @@ Per step:
 3. Waiting requests in policy order (only if nothing was preempted): prefix-cache lookup,
    allocate, admit; stop at the first that does not fit. Under the priority policy a
    waiting request may preempt a running one that ranks strictly below it.
+   Priority policy, steps 2-3: while requests of the best priority present share the
+   engine with worse ones (and `priority_hold_s` after), the worse ones get at most
+   `priority_background_tokens` tokens per step, oldest running first (they keep their
+   KV; the rest simply wait a step). A step's time grows with its tokens, and an urgent
+   request's TTFT is the step in flight when it arrives plus its own.
 4. `num_computed_tokens` advances at once, so the next chunk can be planned next step.
 `update_from_output` indexes newly computed full blocks, appends sampled tokens and runs
 the token-level stop checks (EOS, stop_token_ids, max_tokens, max_model_len).
@@ -48,6 +53,10 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.priority_policy = config.scheduling_policy == "priority"
+        self.background_tokens = config.priority_background_tokens
+        self.hold_s = config.priority_hold_s
+        self._urgent: int | None = None  # the best priority while the cap is on
+        self._urgent_seen = float("-inf")
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -154,11 +163,13 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        self.expire_deadlines(time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        self.expire_deadlines(now)
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        cap = _Cap(self._capped_above(now), self.background_tokens)
+        budget = self._schedule_running(output, self.max_num_batched_tokens, cap)
         if not output.preempted_request_ids:
-            budget = self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget, cap)
         # advance progress now, so the next step can plan the next chunk
         for scheduled in output.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
@@ -167,6 +178,19 @@ class Scheduler:
         self._finished_request_ids = []
         return output
 
+    def _capped_above(self, now: float) -> int | None:
+        """The priority above which requests are capped this step (None: no cap)."""
+        if not self.priority_policy or self.background_tokens < 0:
+            return None
+        present = [r.priority for r in self.running]
+        if len(self.waiting):
+            present.append(self.waiting.peek().priority)
+        if present and min(present) < max(present):
+            self._urgent, self._urgent_seen = min(present), now
+        elif self._urgent is not None and now - self._urgent_seen > self.hold_s:
+            self._urgent = None
+        return self._urgent
+
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
         threshold = self.long_prefill_token_threshold
@@ -174,15 +198,16 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, cap: _Cap) -> int:
         kv = self.kv_cache_manager
         running = self.running
         scheduled_by_id: dict[str, ScheduledRequest] = {}
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new <= 0:  # waiting for nothing (should not happen); keep it running
+            limit = cap.limit(request, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, limit)
+            if num_new <= 0:  # capped this step, or waiting for nothing; keep it running
                 i += 1
                 continue
             while not kv.allocate_slots(request, num_new):
@@ -220,14 +245,17 @@ class Scheduler:
             output.scheduled.append(scheduled)
             scheduled_by_id[request.request_id] = scheduled
             budget -= num_new
+            cap.spend(request, num_new)
             i += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, cap: _Cap) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
         while len(waiting) and budget > 0:
             request = waiting.peek()
+            if cap.limit(request, budget) <= 0:
+                break  # capped; the queue is in priority order, so are those behind
             if len(self.running) >= self.max_num_seqs:
                 refund = self._make_room_for(request, output)
                 if refund < 0:
@@ -235,9 +263,9 @@ class Scheduler:
                 budget += refund
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if not self.enable_chunked_prefill and num_new > budget:
+            if not self.enable_chunked_prefill and num_new > cap.limit(request, budget):
                 break
-            num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+            num_new = self._num_new_tokens(request, num_hit_tokens, cap.limit(request, budget))
             while not kv.allocate_slots(request, num_new, hits):
                 refund = self._make_room_for(request, output)
                 if refund < 0:
@@ -248,7 +276,7 @@ class Scheduler:
                 budget += refund
                 # the victim's blocks may have been our hits' only holders: look again
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
-                num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+                num_new = self._num_new_tokens(request, num_hit_tokens, cap.limit(request, budget))
             if request.is_finished:
                 continue
             waiting.pop()
@@ -267,6 +295,7 @@ class Scheduler:
                 )
             )
             budget -= num_new
+            cap.spend(request, num_new)
         return budget
 
     def _make_room_for(self, request: Request, output: SchedulerOutput) -> int:
@@ -348,3 +377,21 @@ class Scheduler:
         if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+class _Cap:
+    """One step's allowance for requests ranked below the urgent ones (see the module doc)."""
+
+    __slots__ = ("above", "left")
+
+    def __init__(self, above: int | None, tokens: int) -> None:
+        self.above, self.left = above, tokens
+
+    def limit(self, request: Request, budget: int) -> int:
+        if self.above is None or request.priority <= self.above:
+            return budget
+        return min(budget, self.left)
+
+    def spend(self, request: Request, tokens: int) -> None:
+        if self.above is not None and request.priority > self.above:
+            self.left -= tokens

@@ -193,6 +193,48 @@ def test_priority_preemption_under_kv_pressure_picks_lowest_priority() -> None:
     assert lazy.output_token_ids == reference_tokens([2] * 8, 8)
 
 
+def test_urgent_requests_cap_the_tokens_of_worse_ones_per_step() -> None:
+    """Batch decodes (priority 2) share steps with an interactive request (priority 0):
+    the batch ones get at most priority_background_tokens per step, oldest first, and the
+    cap holds for priority_hold_s after the interactive request left, then lifts."""
+    scheduler, runner = make(
+        num_kv_blocks=64,
+        scheduling_policy="priority",
+        priority_background_tokens=3,
+        priority_hold_s=1.0,
+    )
+    batch = [req(f"b{i}", [i + 1, 7], max_tokens=40, priority=2, arrival_time=i) for i in range(6)]
+    for r in batch:
+        scheduler.add_request(r)
+    assert len(step(scheduler, runner, now=0.0).scheduled) == 6  # one priority: no cap
+    urgent = req("u", [5] * 6, max_tokens=2, priority=0, arrival_time=10.0)
+    scheduler.add_request(urgent)
+    out = step(scheduler, runner, now=1.0)
+    ids = [s.request_id for s in out.scheduled]
+    assert ids == ["b0", "b1", "b2", "u"]  # the urgent prefill, and 3 batch tokens
+    while not urgent.is_finished:
+        out = step(scheduler, runner, now=1.1)
+        assert sum(s.num_new_tokens for s in out.scheduled if s.request_id != "u") <= 3
+    assert len(step(scheduler, runner, now=1.5).scheduled) == 3  # held
+    assert len(step(scheduler, runner, now=2.2).scheduled) == 6  # lifted
+    run_all(scheduler, runner)
+    for i, r in enumerate(batch):
+        assert r.output_token_ids == reference_tokens([i + 1, 7], 40)
+
+
+def test_background_cap_off_with_fcfs_or_minus_one() -> None:
+    for overrides in (
+        {"scheduling_policy": "fcfs"},
+        {"scheduling_policy": "priority", "priority_background_tokens": -1},
+    ):
+        scheduler, runner = make(num_kv_blocks=64, **overrides)
+        for i in range(5):
+            scheduler.add_request(req(f"b{i}", [i + 1], max_tokens=8, priority=2))
+        step(scheduler, runner)
+        scheduler.add_request(req("u", [9, 9], max_tokens=2, priority=0))
+        assert len(step(scheduler, runner).scheduled) == 6
+
+
 def test_deadline_expires_waiting_and_running_requests() -> None:
     scheduler, runner = make(max_num_seqs=1)
     running = req("run", [1, 2], max_tokens=10, deadline=5.0)
