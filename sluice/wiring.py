@@ -101,7 +101,8 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
     gateway; with a thread on every core its steps wait for whichever core they took.
     Measured with `bench serving --quick` on 2-core VMs: the pipeline's tok/s at 80 req/s
     was 0.65x the direct engine's with 2 threads, 0.86x with 1 (AVX-512 VM); 0.67-0.76x
-    vs 0.88x (AVX2 VM). None: leave torch's default (CUDA: host threads matter little).
+    vs 0.88x (AVX2 VM); after the move to librdkafka (AVX-512 VM, two runs each)
+    0.70-0.85x vs 0.74-0.86x. None: leave torch's default (CUDA: host threads matter little).
     """
     if settings.torch_threads is not None:
         return settings.torch_threads
