@@ -254,6 +254,24 @@ static inline void rows(const uint16_t *W, const float *x, const float *bias, fl
 /* VDPBF16PS path: rows [n0, n1) of W against M rows of bf16 x (each Kp = K rounded up to
    32 values, zero padded); four rows of W at a time, a last partial 32-block masked. */
 #define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+/* a[m] += rows w0..w3 . x[m] over the 32 values at k (those in mask `mk`) */
+DP_TARGET static inline void dp4(const uint16_t *w0, const uint16_t *w1, const uint16_t *w2,
+                                 const uint16_t *w3, const uint16_t *xb, int64_t Kp, int64_t k,
+                                 __mmask32 mk, const int M, __m512 *a0, __m512 *a1, __m512 *a2,
+                                 __m512 *a3) {
+    __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w0 + k);
+    __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w1 + k);
+    __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w2 + k);
+    __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w3 + k);
+    for (int m = 0; m < M; m++) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
+        a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
+        a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+        a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
+        a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
+    }
+}
+
 DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb, const float *bias,
                                      float *y, int64_t n0, int64_t n1, int64_t N, int64_t K,
                                      const int M, int acc) {
@@ -264,32 +282,8 @@ DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb, cons
         const uint16_t *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         __m512 a0[4], a1[4], a2[4], a3[4];
         for (int m = 0; m < M; m++) a0[m] = a1[m] = a2[m] = a3[m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K32; k += 32) {
-            __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
-            __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + k);
-            __m512bh v2 = (__m512bh)_mm512_loadu_si512(w2 + k);
-            __m512bh v3 = (__m512bh)_mm512_loadu_si512(w3 + k);
-            for (int m = 0; m < M; m++) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
-                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
-                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
-                a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
-                a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
-            }
-        }
-        if (K32 < K) {
-            __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w0 + K32);
-            __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w1 + K32);
-            __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w2 + K32);
-            __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w3 + K32);
-            for (int m = 0; m < M; m++) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + K32);
-                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
-                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
-                a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
-                a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
-            }
-        }
+        for (int64_t k = 0; k < K32; k += 32) dp4(w0, w1, w2, w3, xb, Kp, k, ~0u, M, a0, a1, a2, a3);
+        if (K32 < K) dp4(w0, w1, w2, w3, xb, Kp, K32, tail, M, a0, a1, a2, a3);
         for (int m = 0; m < M; m++) {
             float *ym = y + m * N + n;
             STORE(ym[0], _mm512_reduce_add_ps(a0[m]) + (bias ? bias[n] : 0.0f));

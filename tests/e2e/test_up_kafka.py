@@ -167,13 +167,18 @@ def test_client_disconnect_cancels_in_the_engine(stack: Stack) -> None:
         sdk_checks.check_chat(client)
 
 
+STREAM_TOKENS = 1000
+
+
 def _stream(
     client: openai.OpenAI, prompt: str, out: dict[str, tuple[str, int, str]], ids: list[str]
 ) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model="tiny-llama",
         messages=[{"role": "user", "content": prompt}],
-        max_tokens=200,
+        # long enough that the kill (1.5 s in) lands mid-stream: 20 x 200 tokens finished
+        # within it once the engine and the bus got faster
+        max_tokens=STREAM_TOKENS,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -225,7 +230,7 @@ def _busiest(pids: list[int]) -> int:
 def test_kill_9_of_a_worker_mid_stream_loses_and_duplicates_nothing(stack: Stack) -> None:
     prompts = [f"Story number {i}: once upon a time" for i in range(20)]
     reference = _run_streams(stack, prompts, kill_after_s=None, ids=[])
-    assert all(r[1] == 200 and r[2] == "length" for r in reference.values()), reference
+    assert all(r[1] == STREAM_TOKENS and r[2] == "length" for r in reference.values()), reference
     ids: list[str] = []
     failover = _run_streams(stack, prompts, kill_after_s=1.0, ids=ids)
     assert len(failover) == 20, f"streams lost: {set(prompts) - set(failover)}"
