@@ -275,6 +275,7 @@ class KafkaConsumer(Consumer):
     ) -> None:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        self._offset_reset = offset_reset
         self._paused: set[TopicPartition] = set()
         try:
             self._consumer = ck.Consumer(
@@ -300,10 +301,32 @@ class KafkaConsumer(Consumer):
             raise _translate(exc) from exc
 
     def _assigned(self, _consumer: Any, partitions: Any) -> None:
+        if self._offset_reset == "latest" and partitions:
+            self._pin_latest(partitions)
         tps = _tps(partitions)
         self._paused -= tps
         if self._on_assign is not None and tps:
             self._on_assign(tps)
+
+    def _pin_latest(self, partitions: list[Any]) -> None:
+        """Start partitions without a committed offset at their end as of now.
+
+        librdkafka resolves 'latest' after the assignment, in the background: a message
+        produced in between (a reply to a request sent as soon as the gateway was
+        assigned) was skipped; a bus contract test reproduced it. Here the position is
+        fixed before `poll` returns the assignment. (Tansu's end offset can be the base
+        of the last batch, so that batch may be read again, as kafka-python did.)"""
+        timeout = 10.0
+        try:
+            committed = self._consumer.committed(partitions, timeout=timeout)
+            for tp in committed:
+                if tp.offset < 0:
+                    _low, tp.offset = self._consumer.get_watermark_offsets(
+                        tp, timeout=timeout, cached=False
+                    )
+            self._consumer.assign(committed)
+        except ck.KafkaException as exc:  # librdkafka's own reset then applies
+            logger.warning("could not fix the start offsets of %s: %s", _tps(partitions), exc)
 
     def _revoked(self, _consumer: Any, partitions: Any) -> None:
         tps = _tps(partitions)

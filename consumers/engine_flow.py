@@ -25,7 +25,13 @@ from bus.messages import Cancel, GenerateRequest
 from bus.topics import reply_topic
 from consumers.admission import AdmissionBuffer
 from consumers.cancels import CancelRegistry, cancel_matches
-from consumers.engine_outputs import ItemState, WorkItem, now_ms, unrun_terminal
+from consumers.engine_outputs import (
+    ItemState,
+    WorkItem,
+    now_ms,
+    superseded_usage,
+    unrun_terminal,
+)
 from consumers.engine_publisher import StepPublisher
 from consumers.loop import publish_dead_letter
 from consumers.offsets import OffsetTracker
@@ -310,6 +316,7 @@ class RequestFlow:
             return
         for item, start in zip(items, starts, strict=True):
             item.begin(start)
+            self._bill_superseded(item, start)
             reason = self._start_blocker(item, start)
             if reason is None:
                 reason = self._submit(item)
@@ -317,6 +324,20 @@ class RequestFlow:
                 self._leave_engine(item)
                 self._finish_unrun(item, start, reason)
         self.admit()
+
+    def _bill_superseded(self, item: WorkItem, start: AttemptStart) -> None:
+        """An earlier attempt published tokens and then its worker went away: publish its
+        usage record, which a kill -9 never sent (the client was told those tokens)."""
+        if start.superseded is None:
+            return
+        attempt, tokens = start.superseded
+        logger.info(
+            "request_id=%s tenant_id=%s usage of superseded attempt=%s: %s tokens",
+            *_ids(item),
+            attempt,
+            tokens,
+        )
+        self.publisher.publish_usage(superseded_usage(item, attempt, tokens))
 
     def _start_blocker(self, item: WorkItem, start: AttemptStart) -> str | None:
         if start.finished:
@@ -383,6 +404,7 @@ class RequestFlow:
             return
         for item, start in zip(items, starts, strict=True):
             item.begin(start)
+            self._bill_superseded(item, start)
             self._finish_unrun(item, start, "finished" if start.finished else reason)
 
     # -- deltas out -----------------------------------------------------------------------

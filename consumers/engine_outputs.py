@@ -220,6 +220,29 @@ def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageR
     )
 
 
+def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> UsageRecord:
+    """The usage of an earlier attempt whose worker died before publishing it (kill -9):
+    the tokens the progress store confirms it published, which the client received.
+    It generated, so its prompt ran: it bills the client's prompt as every attempt that
+    ran does (`usage_record`). The ledger keeps one row per (request_id, attempt), so a
+    record from that attempt's own worker, if it was alive after all, changes nothing."""
+    request = item.request
+    return UsageRecord(
+        request_id=request.request_id,
+        attempt=attempt,
+        tenant_id=request.tenant_id,
+        key_id=request.key_id,
+        model=request.model,
+        lane=request.lane,
+        prompt_tokens=len(request.prompt_token_ids),
+        cached_tokens=0,
+        completion_tokens=completion_tokens,
+        finish_reason="error",
+        timings=Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms()),
+        batch_id=request.batch_id,
+    )
+
+
 def _telemetry(
     item: WorkItem, delta: EngineDelta, timings: Timings, worker_id: str
 ) -> TelemetryRecord:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from bus.base import Delivered, EventBus
 from bus.codec import encode
-from bus.messages import TokenDeltaBatch
+from bus.messages import TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
 from consumers.engine_outputs import WorkItem, build_step
 from consumers.progress import ProgressStore, StepProgress
@@ -87,6 +87,14 @@ class StepPublisher:
             )
             future.add_done_callback(_log_telemetry_failure)
         queue.put_nowait(step)
+
+    def publish_usage(self, usage: UsageRecord) -> None:
+        """A usage record outside any step (an earlier attempt's, see `superseded_usage`),
+        confirmed in order with the steps."""
+        queue = self._queue
+        if queue is None:
+            raise RuntimeError("StepPublisher.bind() first")
+        queue.put_nowait(_Step(sends=[self._send(USAGE_TOPIC, encode(usage), usage.tenant_id)]))
 
     def _send(self, topic: str, value: bytes, key: str) -> _Send:
         self.num_messages += 1

@@ -31,13 +31,18 @@ class AttemptStart:
 
     token_ids / text_len: what earlier attempts published (confirmed by the bus), which
     the new attempt continues from; finished: an earlier attempt already published the
-    terminal delta, so there is nothing left to do.
+    terminal delta, so there is nothing left to do. superseded: (attempt, tokens) of the
+    unfinished attempt this one replaces, when that one published tokens since it
+    began: its worker died or lost the request, so its usage record may never come (a
+    kill -9); the caller publishes one from these counts (the ledger keeps one row per
+    attempt, so a late record from a live zombie changes nothing).
     """
 
     attempt: int
     token_ids: list[int] = field(default_factory=list)
     text_len: int = 0
     finished: bool = False
+    superseded: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,7 @@ class _Progress:
     token_ids: list[int] = field(default_factory=list)
     text_len: int = 0
     finished: bool = False
+    start: int = 0  # tokens published before the current attempt began
 
 
 class MemoryProgressStore:
@@ -96,14 +102,23 @@ class MemoryProgressStore:
         with self._lock:
             for request_id, min_attempt in requests:
                 entry = self._entries.get(request_id)
+                superseded = None
                 if entry is None:
                     entry = self._entries[request_id] = _Progress(min_attempt)
                 elif not entry.finished:
+                    published = len(entry.token_ids) - entry.start
+                    if published > 0:
+                        superseded = (entry.attempt, published)
                     entry.attempt = max(entry.attempt + 1, min_attempt)
+                    entry.start = len(entry.token_ids)
                 self._entries.move_to_end(request_id)
                 out.append(
                     AttemptStart(
-                        entry.attempt, list(entry.token_ids), entry.text_len, entry.finished
+                        entry.attempt,
+                        list(entry.token_ids),
+                        entry.text_len,
+                        entry.finished,
+                        superseded,
                     )
                 )
             while len(self._entries) > self.max_requests:
@@ -132,20 +147,28 @@ class MemoryProgressStore:
 
 
 # KEYS[1] = meta hash, KEYS[2] = token list. ARGV: min_attempt, ttl_s.
-# Returns {attempt, text_len, finished, tokens...}.
+# Returns {attempt, text_len, finished, superseded attempt (-1: none), its tokens,
+# tokens...}; 'start' in the hash is the token count when the current attempt began.
 _BEGIN = """
 local cur = redis.call('HGET', KEYS[1], 'attempt')
 local finished = tonumber(redis.call('HGET', KEYS[1], 'finished') or '0')
 local attempt = tonumber(ARGV[1])
+local prev, published = -1, 0
 if cur then
   attempt = tonumber(cur)
-  if finished == 0 then attempt = math.max(attempt + 1, tonumber(ARGV[1])) end
+  if finished == 0 then
+    local n = redis.call('LLEN', KEYS[2])
+    published = n - tonumber(redis.call('HGET', KEYS[1], 'start') or '0')
+    if published > 0 then prev = attempt end
+    attempt = math.max(attempt + 1, tonumber(ARGV[1]))
+    redis.call('HSET', KEYS[1], 'start', n)
+  end
 end
 redis.call('HSET', KEYS[1], 'attempt', attempt)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 local text_len = tonumber(redis.call('HGET', KEYS[1], 'text_len') or '0')
-local out = {attempt, text_len, finished}
+local out = {attempt, text_len, finished, prev, published}
 for _, t in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do out[#out + 1] = tonumber(t) end
 return out
 """
@@ -209,8 +232,9 @@ class RedisProgressStore:
             self._begin(keys=self._keys(request_id), args=[min_attempt, self.ttl_s], client=pipe)
         out: list[AttemptStart] = []
         for reply in pipe.execute():
-            attempt, text_len, finished, *tokens = (int(v) for v in reply)
-            out.append(AttemptStart(attempt, tokens, text_len, bool(finished)))
+            attempt, text_len, finished, prev, published, *tokens = (int(v) for v in reply)
+            superseded = (prev, published) if prev >= 0 else None
+            out.append(AttemptStart(attempt, tokens, text_len, bool(finished), superseded))
         return out
 
     def record(self, steps: Sequence[StepProgress]) -> set[str]:

@@ -52,4 +52,5 @@ def engine_request(item: WorkItem) -> EngineRequest:
         priority=LANE_PRIORITY.get(request.lane.value, 1),
         deadline=item.deadline,
         cache_salt=request.cache_salt,
+        num_resumed_tokens=resumed,
     )

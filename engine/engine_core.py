@@ -60,9 +60,18 @@ def tokenizer_detokenizers(tokenizer: Tokenizer) -> DetokenizerFactory:
     from engine.tokenizer import IncrementalDetokenizer
 
     def make(request: Request) -> Detokenizer:
-        return IncrementalDetokenizer(
-            tokenizer, request.prompt_token_ids, request.sampling_params.stop
+        resumed = request.num_resumed_tokens
+        prompt = request.prompt_token_ids
+        if not resumed:
+            return IncrementalDetokenizer(tokenizer, prompt, request.sampling_params.stop)
+        # a resume: replay the earlier attempt's tokens from its own prompt, so the state
+        # (a character still incomplete, text held back for stop strings) is the one that
+        # attempt had; the replayed text was already published
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt[:-resumed], request.sampling_params.stop
         )
+        detokenizer.add_tokens(prompt[-resumed:])
+        return detokenizer
 
     return make
 
@@ -120,6 +129,9 @@ class EngineCore:
             priority=engine_request.priority,
             deadline=engine_request.deadline,
             cache_salt=engine_request.cache_salt,
+            num_resumed_tokens=min(
+                engine_request.num_resumed_tokens, len(engine_request.prompt_token_ids)
+            ),
         )
         detokenizer = self.detokenizers(request) if self.detokenizers is not None else None
         self.scheduler.add_request(request)

@@ -42,7 +42,10 @@ class EngineRequest:
     priority: lower value is served first (vLLM convention); only honoured under the
     'priority' scheduling policy. deadline: absolute `time.monotonic()` seconds (the worker
     converts the wall-clock deadline of a GenerateRequest). cache_salt: per tenant, keeps
-    prefix-cache hits within the tenant.
+    prefix-cache hits within the tenant. num_resumed_tokens: the last this-many prompt
+    tokens are output of an earlier attempt (a failover resume), so the text continues
+    exactly where that attempt's stopped, a multi-byte character split across the
+    boundary included.
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class EngineRequest:
     priority: int = 0
     deadline: float | None = None
     cache_salt: str | None = None
+    num_resumed_tokens: int = 0
 
 
 @dataclass(slots=True)

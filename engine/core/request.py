@@ -48,6 +48,8 @@ class Request:
     priority: lower value is served first (vLLM convention); ties break on arrival_time.
     deadline: absolute `time.monotonic()` seconds, or None.
     cache_salt: mixed into the first block's hash so prefix-cache hits stay within a tenant.
+    num_resumed_tokens: the last this-many prompt tokens are output an earlier attempt
+    already generated (a failover resume); the detokenizer replays them.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     cache_salt: str | None = None
+    num_resumed_tokens: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

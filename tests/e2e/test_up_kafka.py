@@ -103,19 +103,26 @@ def test_sdk_checks_through_kafka(stack: Stack) -> None:
 
 
 def _usage_attempts(bootstrap: str, request_ids: set[str], timeout_s: float = 30) -> dict:
-    """The highest attempt with a usage record, per request (all of them must have one)."""
+    """Completion tokens per attempt with a usage record, per request (all of them must
+    have one); one per attempt, as the ledger keeps them."""
     bus = KafkaEventBus(KafkaConfig(bootstrap=bootstrap, client_id="e2e-usage"))
     consumer = bus.consumer(f"e2e-usage-{uuid.uuid4().hex[:6]}", [USAGE_TOPIC])
-    attempts: dict[str, int] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and set(attempts) != request_ids:
+    attempts: dict[str, dict[int, int]] = {}
+
+    def read_until(deadline: float, stop_when_all: bool) -> None:
+        while time.monotonic() < deadline:
+            if stop_when_all and set(attempts) == request_ids:
+                return
             for record in consumer.poll(0.5):
                 usage = decode_as(UsageRecord, record.value)
                 if usage.request_id in request_ids:
-                    attempts[usage.request_id] = max(
-                        usage.attempt, attempts.get(usage.request_id, 0)
-                    )
+                    seen = attempts.setdefault(usage.request_id, {})
+                    seen.setdefault(usage.attempt, usage.completion_tokens)
+
+    try:
+        read_until(time.monotonic() + timeout_s, stop_when_all=True)
+        # a resumed request's records (one per attempt) may still be on their way
+        read_until(time.monotonic() + 3.0, stop_when_all=False)
     finally:
         consumer.close()
         bus.close()
@@ -235,8 +242,12 @@ def test_kill_9_of_a_worker_mid_stream_loses_and_duplicates_nothing(stack: Stack
     failover = _run_streams(stack, prompts, kill_after_s=1.0, ids=ids)
     assert len(failover) == 20, f"streams lost: {set(prompts) - set(failover)}"
     # The kill landed mid-stream: requests were resumed by another worker (attempt >= 1).
-    resumed = _usage_attempts(stack.bootstrap, set(ids))
-    assert any(attempt >= 1 for attempt in resumed.values()), resumed
+    usage = _usage_attempts(stack.bootstrap, set(ids))
+    assert any(max(per_attempt) >= 1 for per_attempt in usage.values()), usage
+    # every token the clients were told is billed once: the killed attempts' usage comes
+    # from the worker that resumed them (a kill -9 publishes none)
+    billed = {rid: sum(per_attempt.values()) for rid, per_attempt in usage.items()}
+    assert set(billed.values()) == {STREAM_TOKENS}, usage
     mismatched = {
         p: json.dumps([reference[p][0], failover[p][0]])
         for p in prompts

@@ -252,3 +252,27 @@ def test_rebalance_callbacks_run_on_the_polling_thread_and_revoke_can_commit(
     time.sleep(0.5)
     late.halt()
     assert [r.value for r in late.records] == [b"late"]
+
+
+def test_a_latest_consumer_sees_what_is_published_once_it_is_assigned(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    """The gateway reads its reply topic from 'latest' and sends requests as soon as it is
+    assigned: a reply published right after must arrive (librdkafka resolved 'latest' in
+    the background after the assignment, and skipped such a message)."""
+    bus.create_topics([TopicSpec(topic, 1)])
+    bus.publish(topic, b"old", key=b"k").result(30)
+    consumer = bus.consumer(group, [topic], offset_reset="latest")
+    got: list[bytes] = []
+    try:
+        deadline = time.monotonic() + SETTLE_S
+        while not consumer.assignment() and time.monotonic() < deadline:
+            got += [r.value for r in consumer.poll(0.05)]
+        assert consumer.assignment(), "not assigned"
+        bus.publish(topic, b"new", key=b"k").result(30)
+        deadline = time.monotonic() + 10.0
+        while b"new" not in got and time.monotonic() < deadline:
+            got += [r.value for r in consumer.poll(0.1)]
+    finally:
+        consumer.close()
+    assert b"new" in got

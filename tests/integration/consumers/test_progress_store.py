@@ -30,6 +30,25 @@ def test_first_attempt_then_progress_then_a_resume_with_a_higher_attempt(
     assert (resumed.attempt, resumed.token_ids, resumed.text_len) == (1, [5, 6, 7], 4)
 
 
+def test_a_resume_names_the_attempt_it_supersedes_and_what_that_one_published(
+    store: ProgressStore,
+) -> None:
+    """What a dead worker's attempt published, for its usage record (kill -9 sends none)."""
+    [first] = store.begin_attempts([("s1", 0)])
+    assert first.superseded is None
+    store.record([StepProgress("s1", 0, 0, [5, 6, 7], 3)])
+    [second] = store.begin_attempts([("s1", 0)])
+    assert (second.attempt, second.superseded) == (1, (0, 3))
+    [third] = store.begin_attempts([("s1", 0)])  # attempt 1 died before publishing
+    assert (third.attempt, third.superseded) == (2, None)
+    store.record([StepProgress("s1", 2, 3, [8, 9], 5)])
+    [fourth] = store.begin_attempts([("s1", 0)])
+    assert (fourth.attempt, fourth.superseded) == (3, (2, 2))
+    store.record([StepProgress("s1", 3, 5, [1], 6, finished=True)])
+    [done] = store.begin_attempts([("s1", 0)])
+    assert done.finished and done.superseded is None
+
+
 def test_a_lower_attempt_is_fenced_and_changes_nothing(store: ProgressStore) -> None:
     store.begin_attempts([("r2", 0)])
     store.record([StepProgress("r2", 0, 0, [1], 1)])

@@ -3,7 +3,8 @@
 Worker A streams a long greedy request and dies (no drain, no commit); worker B gets the
 partition after the rebalance and resumes from the progress store with attempt + 1.
 Under the gateway's rules (fence by attempt, dedupe by absolute offsets) the client
-sees exactly the uninterrupted greedy output.
+sees exactly the uninterrupted greedy output, and the usage records of both attempts
+bill exactly the tokens it received.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ def run_failover(progress_a: ProgressStore, progress_b: ProgressStore, request_i
     assert resumed.prompt_token_ids == [*request.prompt_token_ids, *expected[:num_resumed]]
     assert 10 <= num_resumed <= delivered_by_a  # progress trails delivery by <= a step
     assert resumed.sampling_params.max_tokens == MAX_TOKENS - num_resumed
-    usage = [u for u in client.usage if u.request_id == request_id]
-    assert [(u.attempt, u.completion_tokens) for u in usage] == [(1, MAX_TOKENS - num_resumed)]
+    assert resumed.num_resumed_tokens == num_resumed  # its text continues A's exactly
+    usage = sorted((u for u in client.usage if u.request_id == request_id), key=lambda u: u.attempt)
+    # A's usage comes from B (a kill -9 publishes none): what A's progress says it
+    # published; together the attempts bill exactly the tokens the client received
+    assert [(u.attempt, u.completion_tokens) for u in usage] == [
+        (0, num_resumed),
+        (1, MAX_TOKENS - num_resumed),
+    ]
+    assert usage[0].finish_reason == "error" and usage[0].prompt_tokens == 3
     # the short request finished on A before the kill or was redone on B: one terminal
     assert client.view.streams[f"{request_id}-short"].num_terminal == 1
 

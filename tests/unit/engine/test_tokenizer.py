@@ -100,3 +100,26 @@ def test_held_back_prefix_is_released_when_it_diverges(tok: Tokenizer) -> None:
     detok2 = IncrementalDetokenizer(tok, stop=["gate!"])
     out2 = detok2.add_tokens(tok.encode("a gat", add_special_tokens=False))
     assert out2 + detok2.flush() == "a gat"  # finished by length: flush the tail
+
+
+def test_a_resumed_request_continues_the_text_exactly_at_any_split(tok: Tokenizer) -> None:
+    """Failover: attempt 1 gets prompt + attempt 0's tokens (num_resumed_tokens). Its text
+    must continue exactly where attempt 0's emitted text stopped, also when the split falls
+    inside a multi-byte character (byte-level tokens) or inside held-back text."""
+    from engine.core.request import Request
+    from engine.engine_core import tokenizer_detokenizers
+    from engine.sampling import SamplingParams
+
+    make = tokenizer_detokenizers(tok)
+    prompt = tok.encode("Tell me:")
+    out = tok.encode(" héllo wörld ☃ 日本語 ünïcödé — done")
+    params = SamplingParams(max_tokens=len(out), stop=["zzz"])
+    full = make(Request("r", prompt, params))
+    whole = full.add_tokens(out) + full.flush()
+    assert whole == tok.decode(out, True)
+    for k in range(len(out) + 1):
+        first = make(Request("r", prompt, params))
+        emitted = first.add_tokens(out[:k])
+        resumed = make(Request("r", prompt + out[:k], params, num_resumed_tokens=k))
+        rest = resumed.add_tokens(out[k:]) + resumed.flush()
+        assert emitted + rest == whole, k
