@@ -10,7 +10,10 @@ engine (which takes them one by one as capacity allows). Two levels:
   one: interactive is served first, batch never starves.
 - Within a lane, tenants share by deficit round robin on tokens (cost = prompt +
   max_tokens): a tenant with 10x the load gets no more than its share while others
-  are backlogged.
+  are backlogged. DRR only orders admissions; a tenant that shows up after another
+  filled the engine (its records came later in the poll) would stay behind by that
+  head start. So a tenant whose cost in the engine trails another's by more than a
+  quantum is served first until it catches up (the worker reports `started`/`left`).
 
 Pure bookkeeping, no I/O; owned by the worker's event loop thread.
 """
@@ -48,6 +51,7 @@ class TenantQueues(Generic[T]):
         self._active: deque[str] = deque()
         self._head_credited = False
         self._len = 0
+        self._in_engine: dict[str, int] = {}  # tenant → cost of its requests in the engine
 
     def __len__(self) -> int:
         return self._len
@@ -65,8 +69,34 @@ class TenantQueues(Generic[T]):
         queue.append(item)
         self._len += 1
 
+    def started(self, item: T) -> None:
+        """`item` went into the engine."""
+        self._in_engine[item.tenant_id] = self._in_engine.get(item.tenant_id, 0) + item.cost
+
+    def left(self, item: T) -> None:
+        """`item` left the engine (finished, aborted, or not started after all)."""
+        left = self._in_engine.get(item.tenant_id, 0) - item.cost
+        if left > 0:
+            self._in_engine[item.tenant_id] = left
+        else:
+            self._in_engine.pop(item.tenant_id, None)
+
+    def _behind(self) -> str | None:
+        """A queued tenant whose cost in the engine trails another queued tenant's by
+        more than a quantum (the least served first), or None."""
+        if len(self._active) < 2 or not self._in_engine:
+            return None
+        load = {tenant: self._in_engine.get(tenant, 0) for tenant in self._active}
+        low = min(self._active, key=load.__getitem__)
+        return low if max(load.values()) - load[low] > self.quantum else None
+
     def pop(self) -> T | None:
-        """The next item in DRR order, or None when empty."""
+        """The next item: a tenant catching up first (see the module doc), else DRR."""
+        behind = self._behind()
+        if behind is not None:
+            item = self._queues[behind][0]
+            self.remove(item)
+            return item
         while self._active:
             tenant = self._active[0]
             queue = self._queues[tenant]
@@ -163,3 +193,9 @@ class AdmissionBuffer(Generic[T]):
 
     def remove(self, item: T) -> bool:
         return self._lanes[item.lane].remove(item)
+
+    def started(self, item: T) -> None:
+        self._lanes[item.lane].started(item)
+
+    def left(self, item: T) -> None:
+        self._lanes[item.lane].left(item)

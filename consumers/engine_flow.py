@@ -251,6 +251,7 @@ class RequestFlow:
             self.num_in_engine += len(batch)
             for item in batch:
                 item.in_engine = True
+                self._buffer.started(item)
             self._spawn(self._start(batch))
 
     def _admit_urgent(self, batch: list[WorkItem]) -> None:
@@ -378,6 +379,7 @@ class RequestFlow:
         if item.in_engine:
             item.in_engine = False
             self.num_in_engine -= 1
+            self._buffer.left(item)
 
     def _finish_unrun(self, item: WorkItem, start: AttemptStart, reason: str) -> None:
         if reason == "finished" or (item.silent and item.tp not in self._assigned):

@@ -16,8 +16,10 @@ Per step:
    Priority policy, steps 2-3: while requests of the best priority present share the
    engine with worse ones (and `priority_hold_s` after), the worse ones get at most
    `priority_background_tokens` tokens per step, oldest running first (they keep their
-   KV; the rest simply wait a step). A step's time grows with its tokens, and an urgent
-   request's TTFT is the step in flight when it arrives plus its own.
+   KV; the rest simply wait a step), and none in a step that prefills an urgent request
+   (but never in two steps in a row).
+   A step's time grows with its tokens, and an urgent request's TTFT is the step in
+   flight when it arrives plus its own.
 4. `num_computed_tokens` advances at once, so the next chunk can be planned next step.
 `update_from_output` indexes newly computed full blocks, appends sampled tokens and runs
 the token-level stop checks (EOS, stop_token_ids, max_tokens, max_model_len).
@@ -57,6 +59,7 @@ class Scheduler:
         self.hold_s = config.priority_hold_s
         self._urgent: int | None = None  # the best priority while the cap is on
         self._urgent_seen = float("-inf")
+        self._starved_last = False  # the last step gave worse requests no tokens
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -166,7 +169,14 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self.expire_deadlines(now)
         output = SchedulerOutput()
-        cap = _Cap(self._capped_above(now), self.background_tokens)
+        above = self._capped_above(now)
+        # none at all in a step that prefills an urgent request (its TTFT is that step),
+        # but never two such steps in a row: a stream of urgent arrivals starves no one
+        tokens = self.background_tokens
+        if above is not None and not self._starved_last and self._urgent_prefill(above):
+            tokens = 0
+        self._starved_last = tokens == 0
+        cap = _Cap(above, tokens)
         budget = self._schedule_running(output, self.max_num_batched_tokens, cap)
         if not output.preempted_request_ids:
             budget = self._schedule_waiting(output, budget, cap)
@@ -190,6 +200,12 @@ class Scheduler:
         elif self._urgent is not None and now - self._urgent_seen > self.hold_s:
             self._urgent = None
         return self._urgent
+
+    def _urgent_prefill(self, above: int) -> bool:
+        """Whether a request ranked at or above `above` still waits for its first token."""
+        if len(self.waiting) and self.waiting.peek().priority <= above:
+            return True
+        return any(r.priority <= above and not r.output_token_ids for r in self.running)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed

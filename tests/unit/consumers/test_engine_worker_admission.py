@@ -85,3 +85,27 @@ def test_remove_keeps_counts_and_rotation_consistent() -> None:
     popped = [buffer.pop() for _ in range(6)]
     assert all(p is not None for p in popped) and buffer.pop() is None
     assert {p.tenant_id for p in popped if p is not None} == {"t1", "t2"}
+
+
+def test_a_tenant_arriving_after_another_filled_the_engine_catches_up_first() -> None:
+    """Heavy's records came first and 8 of its requests went into the engine before
+    light's were polled: light is served until its cost in the engine is within a quantum
+    of heavy's, then DRR alternates."""
+    queues: TenantQueues[Item] = TenantQueues(quantum=100)
+    for _ in range(8):
+        queues.started(Item("heavy", "standard"))
+    for _ in range(50):
+        queues.push(Item("heavy", "standard"))
+    for _ in range(20):
+        queues.push(Item("light", "standard"))
+    order = []
+    for _ in range(14):
+        item = queues.pop()
+        assert item is not None
+        queues.started(item)
+        order.append(item.tenant_id)
+    assert order[:7] == ["light"] * 7  # 700 behind heavy's 800: within a quantum now
+    assert order[7:].count("light") in (3, 4)  # then shared
+    for _ in range(8):
+        queues.left(Item("heavy", "standard"))
+    assert queues.pop().tenant_id == "heavy"  # type: ignore[union-attr]

@@ -195,8 +195,9 @@ def test_priority_preemption_under_kv_pressure_picks_lowest_priority() -> None:
 
 def test_urgent_requests_cap_the_tokens_of_worse_ones_per_step() -> None:
     """Batch decodes (priority 2) share steps with an interactive request (priority 0):
-    the batch ones get at most priority_background_tokens per step, oldest first, and the
-    cap holds for priority_hold_s after the interactive request left, then lifts."""
+    none in its prefill step, then at most priority_background_tokens per step, oldest
+    first; the cap holds for priority_hold_s after the interactive request left, then
+    lifts."""
     scheduler, runner = make(
         num_kv_blocks=64,
         scheduling_policy="priority",
@@ -210,13 +211,20 @@ def test_urgent_requests_cap_the_tokens_of_worse_ones_per_step() -> None:
     urgent = req("u", [5] * 6, max_tokens=2, priority=0, arrival_time=10.0)
     scheduler.add_request(urgent)
     out = step(scheduler, runner, now=1.0)
-    ids = [s.request_id for s in out.scheduled]
-    assert ids == ["b0", "b1", "b2", "u"]  # the urgent prefill, and 3 batch tokens
+    assert [s.request_id for s in out.scheduled] == ["u"]  # its prefill step: no batch
+    out = step(scheduler, runner, now=1.05)
+    assert [s.request_id for s in out.scheduled] == ["b0", "b1", "b2", "u"]  # 3 batch tokens
     while not urgent.is_finished:
         out = step(scheduler, runner, now=1.1)
         assert sum(s.num_new_tokens for s in out.scheduled if s.request_id != "u") <= 3
     assert len(step(scheduler, runner, now=1.5).scheduled) == 3  # held
-    assert len(step(scheduler, runner, now=2.2).scheduled) == 6  # lifted
+    # a second urgent request right after a background-free step: the cap, not zero
+    scheduler.add_request(req("u2", [4] * 6, max_tokens=1, priority=0, arrival_time=11.0))
+    assert [s.request_id for s in step(scheduler, runner, now=1.6).scheduled] == ["u2"]
+    scheduler.add_request(req("u3", [3] * 6, max_tokens=1, priority=0, arrival_time=12.0))
+    ids = [s.request_id for s in step(scheduler, runner, now=1.7).scheduled]
+    assert ids == ["b0", "b1", "b2", "u3"]  # never two background-free steps in a row
+    assert len(step(scheduler, runner, now=2.8).scheduled) == 6  # lifted
     run_all(scheduler, runner)
     for i, r in enumerate(batch):
         assert r.output_token_ids == reference_tokens([i + 1, 7], 40)
