@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from bus.base import TopicPartition
 from bus.messages import (
+    FinishReason,
     GenerateRequest,
     TelemetryRecord,
     Timings,
@@ -200,23 +201,17 @@ def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageR
     """What this attempt consumed: prompt tokens of the client's prompt when it ran (the
     resumed tokens re-read as prompt were billed as completion of the earlier attempt),
     and the tokens this attempt generated (billed = generated, DESIGN.md §5.4)."""
-    request = item.request
     ran = delta.num_prompt_tokens is not None and delta.num_prompt_tokens > 0
-    prompt_tokens = len(request.prompt_token_ids) if ran else 0
+    prompt_tokens = len(item.request.prompt_token_ids) if ran else 0
     completion = delta.num_output_tokens
-    return UsageRecord(
-        request_id=request.request_id,
-        attempt=item.attempt,
-        tenant_id=request.tenant_id,
-        key_id=request.key_id,
-        model=request.model,
-        lane=request.lane,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=min(_cached(item, delta), prompt_tokens),
-        completion_tokens=item.num_generated if completion is None else completion,
-        finish_reason=delta.finish_reason or "abort",
-        timings=timings,
-        batch_id=request.batch_id,
+    return _usage(
+        item,
+        item.attempt,
+        prompt_tokens,
+        min(_cached(item, delta), prompt_tokens),
+        item.num_generated if completion is None else completion,
+        delta.finish_reason or "abort",
+        timings,
     )
 
 
@@ -227,6 +222,21 @@ def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> Us
     ran does (`usage_record`). The ledger keeps one row per (request_id, attempt), so a
     record from that attempt's own worker, if it was alive after all, changes nothing."""
     request = item.request
+    timings = Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms())
+    prompt = len(request.prompt_token_ids)
+    return _usage(item, attempt, prompt, 0, completion_tokens, "error", timings)
+
+
+def _usage(
+    item: WorkItem,
+    attempt: int,
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    finish_reason: FinishReason,
+    timings: Timings,
+) -> UsageRecord:
+    request = item.request
     return UsageRecord(
         request_id=request.request_id,
         attempt=attempt,
@@ -234,11 +244,11 @@ def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> Us
         key_id=request.key_id,
         model=request.model,
         lane=request.lane,
-        prompt_tokens=len(request.prompt_token_ids),
-        cached_tokens=0,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         completion_tokens=completion_tokens,
-        finish_reason="error",
-        timings=Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms()),
+        finish_reason=finish_reason,
+        timings=timings,
         batch_id=request.batch_id,
     )
 
