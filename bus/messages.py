@@ -140,7 +140,10 @@ class Timings(BaseModel):
 
 
 class UsageRecord(Message):
-    """What one attempt consumed. Exactly one per finished or aborted attempt."""
+    """What one attempt consumed. Exactly one per finished or aborted attempt; for an
+    attempt whose worker was killed, the worker that resumes the request publishes it
+    (`consumers.engine_outputs.superseded_usage`). The ledger keeps one per
+    (request_id, attempt), so a second one from a zombie changes nothing."""
 
     request_id: str
     attempt: int = 0

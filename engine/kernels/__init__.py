@@ -199,7 +199,6 @@ def cpu_ops() -> CpuOps | None:
     try:
         if not lib_path.exists():
             _build(_SOURCE, lib_path)
-        # after `import torch`, libgomp.so.1 resolves to torch's copy: one OpenMP pool
         return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot="avx512_bf16" in flags)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""

@@ -45,10 +45,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ops = kernels.cpu_ops() if small_dtype == torch.bfloat16 else None
         self.small_weight: torch.Tensor | None = None
-        self.small_bias = None if self.bias is None else self.bias.float()
+        self.small_bias: torch.Tensor | None = None
         self.round_x = w.dtype == torch.bfloat16  # computing in bf16: matmul inputs are bf16
         if self.ops is not None and w.dtype in (torch.float32, torch.bfloat16):
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
+            self.small_bias = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); with `out`, added into it (one kernel call on the bf16 path).
