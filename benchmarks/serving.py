@@ -42,10 +42,20 @@ TARGETS = {
 
 
 def _sweep_plan(quick: bool) -> list[tuple[float, int]]:
-    """(requests/s, requests): light to saturating (~60 req/s is the engine's capacity)."""
+    """(requests/s, requests): light to saturating (~40-60 req/s is the engine's capacity
+    here). 200 requests at the light rate, so its p99 is not just the slowest one."""
     if quick:
-        return [(10.0, 60), (80.0, 160)]
-    return [(8.0, 80), (20.0, 200), (40.0, 240), (80.0, 240)]
+        return [(10.0, 200), (80.0, 160)]
+    return [(8.0, 240), (20.0, 300), (40.0, 240), (80.0, 240)]
+
+
+def _kept_up(row: dict[str, Any], offsets: list[float]) -> bool:
+    """The direct arm delivered the offered tokens/s: the rate is below the engine's
+    capacity. Above it the queue grows for as long as the run lasts, so TTFT there
+    measures the run's length, not what the pipeline adds."""
+    direct = row["direct"]
+    offered = direct["tokens_expected"] / max(offsets[-1], 1e-9)
+    return bool(direct["tokens_per_s"] >= 0.9 * offered)
 
 
 async def _sweep_point(
@@ -64,6 +74,7 @@ async def _sweep_point(
     row["added_itl_p50_ms"] = round(p["itl_p50_ms"] - d["itl_p50_ms"], 2)
     row["added_itl_p99_ms"] = round(p["itl_p99_ms"] - d["itl_p99_ms"], 2)
     row["throughput_ratio"] = ratio(p["tokens_per_s"], d["tokens_per_s"])
+    row["below_capacity"] = _kept_up(row, offsets)
     return row
 
 
@@ -115,10 +126,12 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
 
 def _checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     sweep, rtt = result["sweep"], result["bus_round_trip"]
-    worst_p99 = max(row["added_ttft_p99_ms"] for row in sweep)
+    # latency targets at the rates the engine keeps up with (see _kept_up)
+    light = [row for row in sweep if row["below_capacity"]] or sweep[:1]
+    worst_p99 = max(row["added_ttft_p99_ms"] for row in light)
     checks = {
         "throughput_ratio_min": min(row["throughput_ratio"] for row in sweep),
-        "added_ttft_p50_ms_max": max(row["added_ttft_p50_ms"] for row in sweep),
+        "added_ttft_p50_ms_max": max(row["added_ttft_p50_ms"] for row in light),
         "added_ttft_p99_vs_bus_rtt_p99_max": ratio(worst_p99, rtt["p99_ms"]),
         "interactive_ttft_p99_loaded_vs_unloaded_max": result["priority"]["ttft_p99_ratio"],
         "fairness_b_share_min": result["fairness"]["b_share"],
@@ -196,6 +209,7 @@ def render(result: dict[str, Any]) -> str:
             f"{'':>6} {'Δ / ratio':<9} {row['added_ttft_p50_ms']:>+9.1f} "
             f"{row['added_ttft_p99_ms']:>+8.1f} {row['added_itl_p50_ms']:>+8.1f} "
             f"{row['added_itl_p99_ms']:>+8.1f} {row['throughput_ratio']:>7.3f}x"
+            f"{'' if row['below_capacity'] else '  (over capacity: TTFT is queueing)'}"
         )
     rtt = result["bus_round_trip"]
     lines.append(

@@ -293,7 +293,7 @@ async def _cancel_rest(
 
 async def priority_run(client: Client, quick: bool) -> dict[str, Any]:
     """Interactive TTFT alone, then beside a batch-lane backlog that saturates the engine."""
-    n_i, rate_i = (20, 5.0) if quick else (50, 5.0)
+    n_i, rate_i = (50, 6.0) if quick else (120, 6.0)
     n_b = 160 if quick else 320  # outlasts the interactive window (checked below)
 
     def interactive(seed: int) -> list[Spec]:

@@ -77,7 +77,12 @@ class Consumer(Protocol):
 
     def poll(self, timeout_s: float, max_records: int = 500) -> list[Record]: ...
 
-    def commit(self, offsets: Mapping[TopicPartition, int]) -> None: ...
+    def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
+        """Commit, and with `wait` return once the broker took it (else raise).
+
+        `wait=False` hands the commit over and returns at once; a failure is logged, not
+        raised (a later commit, or the redelivery after a rebalance, covers it)."""
+        ...
 
     def assignment(self) -> set[TopicPartition]: ...
 

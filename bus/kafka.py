@@ -273,6 +273,7 @@ class KafkaConsumer(Consumer):
         on_assign: RebalanceCallback | None,
         on_revoke: RebalanceCallback | None,
     ) -> None:
+        self.group_id = group_id
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._offset_reset = offset_reset
@@ -289,6 +290,7 @@ class KafkaConsumer(Consumer):
                     "max.poll.interval.ms": config.max_poll_interval_ms,
                     "fetch.wait.max.ms": config.fetch_max_wait_ms,
                     "enable.partition.eof": False,
+                    "on_commit": self._on_commit,
                 }
             )
             self._consumer.subscribe(
@@ -299,6 +301,11 @@ class KafkaConsumer(Consumer):
             )
         except Exception as exc:
             raise _translate(exc) from exc
+
+    def _on_commit(self, err: Any, partitions: Any) -> None:
+        failed = [tp for tp in partitions or [] if tp.error is not None]
+        if err is not None or failed:
+            logger.warning("group=%s commit failed: %s", self.group_id, err or failed[0].error)
 
     def _assigned(self, _consumer: Any, partitions: Any) -> None:
         if self._offset_reset == "latest" and partitions:
@@ -369,11 +376,14 @@ class KafkaConsumer(Consumer):
             )
         return out
 
-    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+    def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
         if not offsets:
             return
         payload = [ck.TopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()]
         try:
+            if not wait:  # the outcome reaches _on_commit inside a later poll
+                self._consumer.commit(offsets=payload, asynchronous=True)
+                return
             result = self._consumer.commit(offsets=payload, asynchronous=False)
         except Exception as exc:
             raise _translate(exc) from exc

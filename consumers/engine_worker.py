@@ -80,6 +80,9 @@ class EngineWorkerConfig:
     # direct). None leaves the interpreter's setting alone.
     gil_switch_interval_s: float | None = 0.0005
     tick_s: float = 0.05
+    # Mid-stream deltas of one reply target go out at most this often (first tokens and
+    # terminal deltas at once): see `consumers.engine_publisher`. 0 sends every step.
+    reply_interval_s: float = 0.01
     control_group_prefix: str = "engine-control"
 
 

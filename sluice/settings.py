@@ -218,6 +218,13 @@ class EngineWorkerSettings(Settings):
     cancel_ttl_s: float = Field(default=600.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     progress_ttl_s: int = Field(default=6 * 3600, ge=60)
+    reply_interval_ms: float = Field(
+        default=10.0,
+        ge=0,
+        le=1000,
+        description="mid-stream token deltas go to a gateway at most this often (first "
+        "tokens and final deltas at once); 0 sends one message per engine step",
+    )
 
     def worker_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `consumers.engine_worker.EngineWorkerConfig`."""
@@ -238,4 +245,5 @@ class EngineWorkerSettings(Settings):
             "max_in_engine": self.max_in_engine,
             "cancel_ttl_s": self.cancel_ttl_s,
             "drain_timeout_s": self.drain_timeout_s,
+            "reply_interval_s": self.reply_interval_ms / 1000,
         }

@@ -122,6 +122,27 @@ def test_uncommitted_messages_of_a_leaving_member_go_to_the_other(
     assert {r.value for r in quitter.records} <= {r.value for r in stayer.records}
 
 
+def test_a_commit_that_does_not_wait_is_where_the_next_member_starts(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    bus.create_topics([TopicSpec(topic, 1)])
+    consumer = bus.consumer(group, [topic])
+    wait_until(lambda: bool(consumer.assignment()) or bool(consumer.poll(0.1)), SETTLE_S, "join")
+    for n in range(6):
+        bus.publish(topic, f"m{n}".encode(), partition=0)
+    bus.flush()
+    got: list[Record] = []
+    wait_until(lambda: len(got.__iadd__(consumer.poll(0.1))) >= 6, SETTLE_S, "6 records")
+    consumer.commit({TopicPartition(topic, 0): 4}, wait=False)  # returns before the broker
+    consumer.poll(0.2)  # the outcome is served inside a poll
+    consumer.close()
+    member = Member(bus.consumer(group, [topic])).start()
+    wait_until(lambda: len(member.records) >= 2, SETTLE_S, "the 2 uncommitted records")
+    time.sleep(0.5)
+    member.halt()
+    assert [r.value for r in member.records] == [b"m4", b"m5"]
+
+
 def test_paused_partitions_deliver_nothing_until_resumed(
     bus: EventBus, topic: str, group: str
 ) -> None:
