@@ -143,8 +143,9 @@ class GatewayService:
                 )
                 for r in requests
             ]
-            for future in futures:
-                await asyncio.wait_for(asyncio.wrap_future(future), self._publish_timeout_s)
+            async with asyncio.timeout(self._publish_timeout_s):  # see Generation.next_event
+                for future in futures:
+                    await asyncio.wrap_future(future)
         except (BusError, TimeoutError) as exc:
             logger.warning(
                 "publish failed request_id=%s tenant_id=%s: %s",

@@ -61,6 +61,8 @@ def set_threads(num_threads: int = DIRECT_THREADS) -> None:
 def _worker_main(
     bootstrap: str, data_dir: str, group_id: str, ready: MpEvent, stop: MpEvent
 ) -> None:
+    from sluice.wiring import freeze_heap
+
     set_threads(worker_threads())
     from consumers.engine_worker import EngineWorker, EngineWorkerConfig
     from consumers.progress import MemoryProgressStore
@@ -72,6 +74,7 @@ def _worker_main(
     worker = EngineWorker(
         bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
     )
+    freeze_heap()  # as `sluice worker engine` does
     thread = threading.Thread(target=worker.run, name="bench-worker", daemon=True)
     thread.start()
     if worker.wait_ready(60.0):

@@ -227,7 +227,8 @@ class StepPublisher:
             return True
         self._release_held()
         try:
-            await asyncio.wait_for(self._queue.join(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # wait_for can eat a cancel (3.11)
+                await self._queue.join()
         except TimeoutError:
             return False
         return True

@@ -281,7 +281,8 @@ class EngineWorker:
         assert wake is not None
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), self.config.tick_s)
+                async with asyncio.timeout(self.config.tick_s):  # wait_for can eat a cancel
+                    await wake.wait()
             wake.clear()
             self._flow.stopping = self._stop.is_set()
             self._flow.tick()

@@ -136,6 +136,7 @@ def serve(
     served = wiring.served_model(gateway, backend.tokenizer)
     app = wiring.build_gateway_app(gateway, bus, served, admission)
     _announce(gateway, gateway.model_name, "serve", admission)
+    wiring.freeze_heap()
     try:
         _uvicorn(app, gateway)
     finally:
@@ -163,6 +164,7 @@ def gateway(
     admission = wiring.open_tenancy(settings, embedded=False)
     app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings), admission)
     _announce(settings, settings.model_name, "gateway", admission)
+    wiring.freeze_heap()
     try:
         _uvicorn(app, settings)
     finally:
@@ -193,6 +195,7 @@ def worker_engine(
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    wiring.freeze_heap()
     try:
         worker.run()
     finally:

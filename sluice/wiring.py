@@ -6,6 +6,7 @@ gateway, engine worker and consumer code; only the adapters chosen here differ.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -31,6 +32,20 @@ from consumers.quotas import quotas_loop
 from sluice.settings import EngineWorkerSettings, GatewaySettings, ModelSettings, Settings
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_heap() -> None:
+    """Take what startup built (model, tokenizer, app, clients) out of the collector's way.
+
+    A full (generation 2) collection walks every tracked object. With torch, the tokenizer
+    and the pydantic models loaded, one took 245 ms in the benchmark's gateway process (as
+    240 streams started) and 60-170 ms in an engine worker, stalling every stream of the
+    process at once: the slowest interactive TTFTs of a `bench serving` priority run were
+    221 ms against a p50 of 30. `gc.freeze()` moves every object alive now to a permanent
+    generation that collections skip; what requests allocate later is collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def topic_layout(settings: Settings) -> TopicLayout:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import pytest
+
+from api.generation import Generation, StreamEvent, Track
 from api.service import GatewayService
 from bus.codec import decode_as, encode
 from bus.memory import MemoryEventBus
@@ -152,3 +156,20 @@ def test_stop_ends_and_cancels_live_requests() -> None:
         assert decode_as(Cancel, record.value).reason == "gateway shutting down"
 
     asyncio.run(main())
+
+
+def test_a_stream_cancelled_as_its_event_arrives_stays_cancelled() -> None:
+    """asyncio.wait_for (3.11) returned the event and dropped the cancel in this race, so a
+    cancelled stream went on waiting for its next event (up to the keep-alive wait)."""
+
+    async def scenario() -> None:
+        service: Any = object()  # next_event never calls the service without a deadline
+        generation = Generation([Track(0, "r1")], tenant_id="t", wait_until=None, service=service)
+        reader = asyncio.create_task(generation.next_event(120.0))
+        await asyncio.sleep(0)  # the reader waits on the queue
+        generation._queue.put_nowait(StreamEvent(0, text="x"))  # the event arrives...
+        reader.cancel()  # ...as the reader is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(reader, 1.0)
+
+    asyncio.run(scenario())
