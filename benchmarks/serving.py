@@ -131,6 +131,10 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
             for i, (rate, n, rounds) in enumerate(_sweep_plan(quick))
         ]
         result["priority"] = await runs.priority_run(pipeline, quick)
+        # the engine caps standard requests for `priority_hold_s` (0.5 s) after the last
+        # interactive one left, oldest running first: that would favour tenant A, whose
+        # requests come first, at the start of the fairness run
+        await asyncio.sleep(2 * procs.engine_config().priority_hold_s)
         result["fairness"] = await runs.fairness_run(pipeline, quick)
         return result
     finally:
