@@ -2,9 +2,10 @@
 
 Sits between the engine's `deltas()` stream and the bus: one engine step (a list of
 `EngineDelta`s) turns into one `TokenDeltaBatch` per reply target (not one message per
-token or per request), one `UsageRecord` per finished attempt (keyed by tenant), one
-`TelemetryRecord` per finished attempt, and the `StepProgress` entries the progress
-store records once the publishes are confirmed.
+token or per request; `StepPublisher` may hold mid-stream ones and merge several steps'),
+one `UsageRecord` per finished attempt (keyed by tenant), one `TelemetryRecord` per
+finished attempt, and the `StepProgress` entries the progress store records once the
+publishes are confirmed.
 
 Offsets are absolute across attempts: a resumed attempt starts at the tokens and text
 that earlier attempts published, so the gateway can drop what it already delivered.

@@ -151,8 +151,10 @@ class StepPublisher:
             self._timer = self._loop.call_at(due, self._on_timer)
 
     def _on_timer(self) -> None:
+        loop = self._loop
+        assert loop is not None  # armed only once bound
         self._timer = None
-        self._release_held(due_by=self._loop.time() + 0.001 if self._loop else 0.0)
+        self._release_held(due_by=loop.time() + 0.001)  # call_at may fire a hair early
         self._arm_timer()
 
     def _release_held(self, due_by: float | None = None) -> None:
