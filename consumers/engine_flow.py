@@ -111,10 +111,12 @@ class RequestFlow:
             task.cancel()
 
     def pause_partitions(self, engine_full: bool) -> set[TopicPartition]:
-        """Backpressure: partitions with enough buffered (any at all when the engine is full)."""
+        """Backpressure: partitions with enough buffered (a lookahead when the engine is full)."""
         if self.stopping or not self.stats.healthy:
             return set(self._assigned)
-        limit = 1 if engine_full else self.config.max_buffered_per_partition
+        limit = self.config.max_buffered_per_partition
+        if engine_full:
+            limit = min(limit, self.config.full_engine_lookahead)
         counts: dict[TopicPartition, int] = {}
         for item in self._buffer:
             counts[item.tp] = counts.get(item.tp, 0) + 1

@@ -48,11 +48,12 @@ logger = logging.getLogger(__name__)
 class EngineWorkerConfig:
     """Tuning of one engine worker; `sluice.settings.EngineWorkerSettings` builds it.
 
-    Backpressure: lanes are paused while the engine is full (waiting + pending requests
-    at `max_engine_waiting`, KV usage at `max_kv_usage`, or `max_in_engine` requests
-    submitted) and the partition already has buffered requests, or whenever a partition
-    has `max_buffered_per_partition` requests buffered. Pausing per partition (not per
-    lane) keeps a tenant's backlog on one partition from blocking the others.
+    Backpressure: a partition is paused while the engine is full (waiting + pending
+    requests at `max_engine_waiting`, KV usage at `max_kv_usage`, or `max_in_engine`
+    requests submitted) and `full_engine_lookahead` of its requests are buffered, or
+    whenever it has `max_buffered_per_partition` buffered. Pausing per partition (not
+    per lane) keeps a tenant's backlog on one partition from blocking the others; the
+    lookahead lets the admission buffer see each tenant's next requests.
     """
 
     group_id: str = "engine"
@@ -68,6 +69,11 @@ class EngineWorkerConfig:
     # commit the latest watermarks); a later commit only widens what a failover redoes.
     commit_interval_s: float = 0.2
     max_buffered_per_partition: int = 32
+    # With 1, a light tenant's next request was fetched only after its last buffered one
+    # entered the engine: the engine counts as full whenever 8 requests wait for their
+    # prefill, all through a ramp-up, and the heavy tenant took the slots meanwhile
+    # (fairness run: B had 25 of 64 running when the first requests finished).
+    full_engine_lookahead: int = 8
     max_engine_waiting: int = 8
     max_kv_usage: float = 0.9
     max_in_engine: int = 128

@@ -212,6 +212,7 @@ class EngineWorkerSettings(Settings):
     tenant_quantum_tokens: int = Field(default=256, ge=1)
     poll_max_records: int = Field(default=64, ge=1, le=10_000)
     max_buffered_per_partition: int = Field(default=32, ge=1)
+    full_engine_lookahead: int = Field(default=8, ge=1)
     max_engine_waiting: int = Field(default=8, ge=1)
     max_kv_usage: float = Field(default=0.9, gt=0, le=1.0)
     max_in_engine: int = Field(default=128, ge=1)
@@ -240,6 +241,7 @@ class EngineWorkerSettings(Settings):
             "tenant_quantum_tokens": self.tenant_quantum_tokens,
             "max_records": self.poll_max_records,
             "max_buffered_per_partition": self.max_buffered_per_partition,
+            "full_engine_lookahead": self.full_engine_lookahead,
             "max_engine_waiting": self.max_engine_waiting,
             "max_kv_usage": self.max_kv_usage,
             "max_in_engine": self.max_in_engine,

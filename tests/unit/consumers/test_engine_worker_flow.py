@@ -70,6 +70,27 @@ def test_full_engine_pauses_partitions_and_commits_stay_below_unfinished_work() 
     assert committed(bus)[tp] == 40
 
 
+def test_a_full_engine_keeps_a_lookahead_of_each_partition_buffered() -> None:
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    requests = [make_request(f"r{i:02}", prompt=[i], max_tokens=20) for i in range(30)]
+    client.send(*requests)
+    backend = FakeEngineBackend(step_s=0.002, max_running=1)
+    cfg = config(max_engine_waiting=1, full_engine_lookahead=3, max_records=1)
+    worker = WorkerThread(bus, backend, cfg).start()
+    max_buffered = 0
+    deadline = time.monotonic() + 20
+    while len(client.usage) < 30:
+        assert time.monotonic() < deadline
+        max_buffered = max(max_buffered, worker.worker.stats.buffered)
+        client.pump(0.002)
+    worker.stop()
+    # the admission buffer sees the partition's next requests, not just one, and no
+    # more than the lookahead and one poll while the engine is full
+    assert 3 <= max_buffered <= 3 + 1
+
+
 def test_interactive_overtakes_a_batch_backlog_which_still_finishes() -> None:
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
