@@ -279,7 +279,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="2 rates, fewer requests (~2 min)")
+    parser.add_argument("--quick", action="store_true", help="2 rates, fewer requests (~3 min)")
     parser.add_argument("--kafka", default=None, help="Kafka bootstrap; default: start a Tansu")
     parser.add_argument("--data-dir", default=None, type=Path, help="where tiny-llama lives")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -139,7 +139,7 @@ def bench_engine(
 @bench_app.command("serving")
 def bench_serving(
     as_json: JsonFlag = False,
-    quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 2 min).")] = False,
+    quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 3 min).")] = False,
     kafka: KafkaOption = None,
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
