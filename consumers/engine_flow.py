@@ -36,6 +36,7 @@ from consumers.engine_publisher import StepPublisher
 from consumers.loop import publish_dead_letter
 from consumers.offsets import OffsetTracker
 from consumers.progress import AttemptStart, ProgressStore
+from consumers.progress import call as progress_call
 from consumers.worker_requests import (
     LANE_PRIORITY,
     deadline_to_monotonic,
@@ -300,13 +301,11 @@ class RequestFlow:
 
     async def _begin(self, items: list[WorkItem]) -> list[AttemptStart]:
         requests = [(i.request_id, i.request.attempt) for i in items]
-        loop = asyncio.get_running_loop()
         for attempt in range(5):
             try:
-                result: list[AttemptStart] = await loop.run_in_executor(
-                    self._io, self.progress.begin_attempts, requests
+                return await progress_call(
+                    self.progress, self._io, self.progress.begin_attempts, requests
                 )
-                return result
             except Exception as exc:
                 logger.warning(
                     "worker=%s begin_attempts failed (%s): %s", self.worker_id, attempt, exc

@@ -34,6 +34,7 @@ from bus.messages import TokenDelta, TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
 from consumers.engine_outputs import WorkItem, build_step
 from consumers.progress import ProgressStore, StepProgress
+from consumers.progress import call as progress_call
 from engine.backends.base import EngineDelta
 
 logger = logging.getLogger(__name__)
@@ -215,9 +216,8 @@ class StepPublisher:
     async def _record(self, progress: list[StepProgress]) -> set[str]:
         if not progress:
             return set()
-        loop = asyncio.get_running_loop()
         try:
-            fenced: set[str] = await loop.run_in_executor(self._io, self.progress.record, progress)
+            fenced = await progress_call(self.progress, self._io, self.progress.record, progress)
         except Exception as exc:  # a failover then resumes from older progress: still correct
             logger.warning("worker=%s progress not recorded: %s", self.worker_id, exc)
             return set()

@@ -16,13 +16,18 @@ TTL). This is the only module of `consumers` that imports redis.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +67,13 @@ class StepProgress:
 
 
 class ProgressStore(Protocol):
-    """Attempts and published progress per request; all methods are thread-safe."""
+    """Attempts and published progress per request; all methods are thread-safe.
+
+    in_process: calls touch memory only and return at once, so the worker makes them on
+    its event loop (`call`) rather than hopping to its I/O thread and back.
+    """
+
+    in_process: bool
 
     def begin_attempts(self, requests: Sequence[tuple[str, int]]) -> list[AttemptStart]:
         """For each (request_id, min_attempt): the next attempt, atomically.
@@ -80,6 +91,18 @@ class ProgressStore(Protocol):
     def close(self) -> None: ...
 
 
+async def call(store: ProgressStore, io: Executor, fn: Callable[[_A], _R], arg: _A) -> _R:
+    """`fn(arg)`, a method of `store`: inline when the store is in-process, else on `io`.
+
+    The hop to a thread and back cost the in-memory store's begin_attempts p50 0.45 ms,
+    p99 3.9 ms between a request's arrival and its engine submit (a hop profile at
+    10 req/s beside the engine thread), for a call of microseconds.
+    """
+    if store.in_process:
+        return fn(arg)
+    return await asyncio.get_running_loop().run_in_executor(io, fn, arg)
+
+
 @dataclass(slots=True)
 class _Progress:
     attempt: int
@@ -91,6 +114,8 @@ class _Progress:
 
 class MemoryProgressStore:
     """Embedded mode: a bounded dict (oldest entries evicted past `max_requests`)."""
+
+    in_process = True
 
     def __init__(self, max_requests: int = 100_000) -> None:
         self.max_requests = max_requests
@@ -202,6 +227,8 @@ class RedisProgressStore:
     Keys are `{prefix}{{request_id}}:meta` and `...:tokens` (a hash tag keeps both on one
     Redis Cluster slot, which a Lua script needs); every write refreshes their TTL.
     """
+
+    in_process = False
 
     def __init__(
         self,

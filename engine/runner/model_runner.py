@@ -8,6 +8,7 @@ sampling params carry a seed, and drops it when the scheduler reports the reques
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,11 +16,23 @@ import torch
 from engine import kernels
 from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from engine.models.cpu_linear import PackedLinear, native_low_precision, pack_linears
+from engine.models.cpu_linear import (
+    PackedLinear,
+    native_low_precision,
+    pack_linears,
+    warm_row_buckets,
+)
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
 from engine.sampler import Sampler, greedy_tokens
+
+logger = logging.getLogger(__name__)
+
+# start-up time spent building oneDNN primitives for the row buckets of the packed
+# projections (`engine.models.cpu_linear.warm_row_buckets`): all of them take ~0.2 s for
+# tiny-llama; a bigger model warms its smaller buckets and builds the rest on first use
+WARM_BUDGET_S = 1.0
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +118,9 @@ class ModelRunner:
             # bf16 checkpoints keep a bf16 weight for the fused decode path (PackedLinear)
             small = torch.bfloat16 if self.weights_dtype == torch.bfloat16 else None
             self.num_packed = pack_linears(model, names, self.dtype, small_dtype=small)
+            if self.num_packed:
+                warmed = warm_row_buckets(model, config.max_num_batched_tokens, WARM_BUDGET_S)
+                logger.debug("warmed %s oneDNN (shape, row bucket) pairs", warmed)
         mc = model.config
         self.block_size = config.block_size
         self.num_kv_groups = mc.num_attention_heads // mc.num_key_value_heads

@@ -10,7 +10,13 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.loader import load_model
-from engine.models.cpu_linear import PackedLinear, can_pack, pack_linears
+from engine.models.cpu_linear import (
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    row_bucket,
+    warm_row_buckets,
+)
 from engine.quantization import Int8Linear
 from engine.runner.model_runner import ModelRunner
 from tests.unit.engine.runner_driver import run_greedy
@@ -37,6 +43,31 @@ def test_packed_linear_matches_linear() -> None:
     holder.proj = lin
     assert pack_linears(holder, ("proj",), torch.bfloat16) == 1
     assert isinstance(holder.proj, PackedLinear)
+
+
+def test_row_buckets_pad_at_most_an_eighth_and_stay_few() -> None:
+    buckets = {row_bucket(m) for m in range(1, 2049)}
+    assert len(buckets) <= 80
+    assert all(m <= row_bucket(m) <= m * 1.125 for m in range(1, 2049))
+    assert [row_bucket(m) for m in (1, 16, 17, 100, 129, 2048)] == [1, 16, 18, 104, 144, 2048]
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="oneDNN prepack unavailable")
+def test_a_packed_linear_pads_its_rows_to_a_bucket_and_returns_only_its_own() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    packed = PackedLinear(lin)
+    holder = nn.Module()
+    holder.proj = packed
+    assert warm_row_buckets(holder, 64, budget_s=10.0) > 0
+    for rows in (5, 17, 37, 100):  # 17 -> 18, 37 -> 40, 100 -> 104 rows run
+        x = torch.randn(rows, 64)
+        y = packed(x)
+        assert y.shape == (rows, 48)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+        h = torch.ones(rows, 48)
+        packed.add_to(x, h)
+        torch.testing.assert_close(h, lin(x) + 1, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_model_mostly_agrees_with_full_precision(tmp_path: Path) -> None:
