@@ -151,7 +151,8 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
             async with _gateway(bus) as pipeline:
                 row = await _sweep_point(direct, pipeline, rate, n, rounds, seed=100 + i)
             result["sweep"].append(row)
-        result["priority"] = await runs.priority_run(lambda: _gateway(bus), quick)
+        capacity = max(row["direct"]["tokens_per_s"] for row in result["sweep"])
+        result["priority"] = await runs.priority_run(lambda: _gateway(bus), quick, capacity)
         # the engine caps standard requests for `priority_hold_s` (0.5 s) after the last
         # interactive one left, oldest running first: that would favour tenant A, whose
         # requests come first, at the start of the fairness run

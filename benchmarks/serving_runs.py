@@ -10,6 +10,7 @@ on this process's event loop, so TTFT is measured from before the publish.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 import uuid
@@ -302,15 +303,26 @@ async def _cancel_rest(
     return await client.wait_terminals(ids, 30.0)
 
 
+BACKLOG_LEAD_S = 2.0  # the engine fills up with batch requests before the window opens
+BACKLOG_OUTPUT = 256  # tokens per batch request
+
+
 async def priority_run(
-    gateway: Callable[[], AbstractAsyncContextManager[Client]], quick: bool
+    gateway: Callable[[], AbstractAsyncContextManager[Client]],
+    quick: bool,
+    capacity_tok_s: float = 0.0,
 ) -> dict[str, Any]:
     """Interactive TTFT alone, then beside a batch-lane backlog that saturates the engine;
-    each half through a fresh `gateway()` (see `benchmarks.serving._gateway`)."""
+    each half through a fresh `gateway()` (see `benchmarks.serving._gateway`).
+
+    `capacity_tok_s`: the most tokens/s the engine gave in this run; the backlog holds 1.5x
+    what it could generate over the lead and the window (240 fixed requests ran dry
+    before the window closed on a faster day of this VM, 4,400 tok/s)."""
     # 120 requests: p99 is the 2nd slowest (of 50 it was the slowest, and the ratio of two
     # maxima swung 1.2-2.3 between runs of one build)
     n_i, rate_i = (120, 6.0) if quick else (240, 6.0)
-    n_b = 240 if quick else 480  # outlasts the interactive window (checked below)
+    span_s = BACKLOG_LEAD_S + n_i / rate_i
+    n_b = max(240 if quick else 480, math.ceil(1.5 * capacity_tok_s * span_s / BACKLOG_OUTPUT))
 
     def interactive(seed: int) -> list[Spec]:
         return workload("int", n_i, (16, 64), (32, 32), seed, tenant="t-int", lane=Lane.INTERACTIVE)
@@ -329,13 +341,14 @@ async def _priority_loaded(
     interactive: Callable[[int], list[Spec]],
     unloaded: dict[str, Any],
 ) -> dict[str, Any]:
-    backlog = workload("bulk", n_b, (128, 128), (256, 256), 12, tenant="t-bulk", lane=Lane.BATCH)
+    out = (BACKLOG_OUTPUT, BACKLOG_OUTPUT)
+    backlog = workload("bulk", n_b, (128, 128), out, 12, tenant="t-bulk", lane=Lane.BATCH)
     bulk_traces = [Trace(s) for s in backlog]
     bulk = [
         asyncio.create_task(client.generate(s, t))
         for s, t in zip(backlog, bulk_traces, strict=True)
     ]
-    await asyncio.sleep(2.0)  # the engine fills up with batch requests
+    await asyncio.sleep(BACKLOG_LEAD_S)
     window_start = time.perf_counter()
     loaded = await open_loop(client, interactive(11), fixed_offsets(n_i, rate_i))
     window_end = time.perf_counter()
