@@ -115,6 +115,7 @@ class EngineCore:
         self._states: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_first_tokens = 0  # requests that got their first token (this attempt's)
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
 
@@ -177,6 +178,8 @@ class EngineCore:
         request = state.request
         token_id = sampled.token_id
         self.num_generated_tokens += 1
+        if len(request.output_token_ids) == 1:
+            self.num_first_tokens += 1
         delta = EngineDelta(request.request_id, [token_id])
         if state.want_logprobs and sampled.logprob is not None:
             delta.logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]

@@ -77,6 +77,17 @@ def test_deltas_carry_tokens_text_and_usage_on_the_terminal_one() -> None:
     assert all(d.num_output_tokens is None for d in out[:-1])
 
 
+def test_first_tokens_are_counted_once_per_request() -> None:
+    core = make_core()
+    core.add_request(EngineRequest("a", PROMPT, greedy(6)))
+    core.add_request(EngineRequest("b", PROMPT[:5], greedy(3)))
+    first = core.step()  # both prefill whole in one step
+    assert {d.request_id for d in first if d.token_ids} == {"a", "b"}
+    assert core.num_first_tokens == 2
+    run(core)
+    assert core.num_first_tokens == 2 and core.num_generated_tokens == 9
+
+
 def test_stop_string_is_held_back_and_never_emitted() -> None:
     expected_text = "".join(token_text(t) for t in reference_tokens(PROMPT, 12))
     stop = expected_text[5:7]
