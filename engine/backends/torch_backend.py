@@ -65,8 +65,8 @@ class TorchEngineBackend:
         # loop, woken by `_publish`) gets a core and the GIL now rather than after the
         # next step. Hop profile of the engine worker at 10 req/s on the 2-core VM (the
         # broker and the gateway on the other core): first token → worker loop p90
-        # 1.5 ms, p99 4.2 ms without it; p90 0.4 ms, p99 1.0 ms with 0.2 ms. Steps giving
-        # first tokens are a small share of all steps, so it costs ~0.2 ms per prefill.
+        # 1.5 ms, p99 2.2-4.3 ms without it; p90 0.3-0.5 ms, p99 0.6-1.6 ms with 0.2 ms.
+        # Steps giving first tokens are a small share of all steps: ~0.2 ms per prefill.
         self.first_token_yield_s = 0.0002
 
     @classmethod

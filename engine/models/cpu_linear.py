@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def row_bucket(rows: int) -> int:
     """`rows` rounded up to one of 8 sizes per doubling (exact up to 16): at most 12.5 %
-    padding, and ~73 distinct sizes up to 2,048 rows.
+    padding, and 72 distinct sizes up to 2,048 rows.
 
     oneDNN builds a primitive for every new input shape, which costs more than the matmul
     for a small model: a 100-token prefill step of tiny-llama took 3.6 ms the first time
