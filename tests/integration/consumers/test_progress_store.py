@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from consumers.progress import MemoryProgressStore, ProgressStore, StepProgress
+from consumers.progress import (
+    AttemptStart,
+    MemoryProgressStore,
+    ProgressStore,
+    StepProgress,
+    call,
+)
 from tests.integration.consumers.redis_progress import redis_progress_store
 
 
@@ -91,3 +99,18 @@ def test_concurrent_begins_hand_out_distinct_attempts(store: ProgressStore) -> N
     for t in threads:
         t.join()
     assert sorted(attempts) == list(range(40))
+
+
+def test_call_runs_an_in_process_store_on_the_loop_and_redis_on_the_io_thread(
+    store: ProgressStore,
+) -> None:
+    threads: list[str] = []
+
+    def begin(requests: list[tuple[str, int]]) -> list[AttemptStart]:
+        threads.append(threading.current_thread().name)
+        return store.begin_attempts(requests)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="progress-io") as io:
+        [start] = asyncio.run(call(store, io, begin, [("c1", 0)]))
+    assert start.attempt == 0
+    assert threads[0].startswith("progress-io") is not store.in_process
