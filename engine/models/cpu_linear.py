@@ -10,9 +10,12 @@ different reduction order). Falls back to the plain linear when oneDNN is unavai
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
@@ -37,8 +40,24 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """The row buckets (see `row_bucket`) of one projection shape that `F.linear` serves:
+    measured faster than the prepacked call on this CPU (`tune_row_buckets`). The others
+    go through oneDNN's prepacked weight."""
+
+    plain: frozenset[int] = frozenset()
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
+
+    Which is faster depends on the CPU and the shape: on the AVX-512/AMX dev CPU prepacking
+    won everywhere (above); on a 2-core AVX2 EPYC (torch 2.13, one thread) tiny-llama's fp32
+    projections (128 → 256..704 wide) took 20-25 µs prepacked vs 4-12 µs through `F.linear`
+    at 1 row, 28-72 vs 11-52 µs at 16 rows, and were even at 256 rows. So the plain weight
+    is kept for the row buckets where `tune_row_buckets` measured `F.linear` faster
+    (`plan`), and dropped when there are none.
 
     With `small_dtype` bf16 (a bf16 checkpoint) it also keeps the weight in bf16 for fp32
     inputs of at most `kernels.MAX_ROWS` rows (the fused decode path), which the bf16
@@ -58,8 +77,10 @@ class PackedLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self.weight: torch.Tensor | None = w  # plain, until `use` drops it
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.plan = RowPlan()
         self.ops = kernels.cpu_ops() if small_dtype == torch.bfloat16 else None
         self.small_weight: torch.Tensor | None = None
         self.small_bias: torch.Tensor | None = None
@@ -67,6 +88,18 @@ class PackedLinear(nn.Module):
         if self.ops is not None and w.dtype in (torch.float32, torch.bfloat16):
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
             self.small_bias = None if self.bias is None else self.bias.float()
+
+    @property
+    def shape_key(self) -> tuple[int, int, torch.dtype, bool]:
+        """Projections with the same key share oneDNN primitives and a `RowPlan`."""
+        return (self.in_features, self.out_features, self.packed.dtype, self.bias is None)
+
+    def use(self, plan: RowPlan) -> None:
+        """Serve the buckets in `plan.plain` with `F.linear`; without any, drop the plain
+        weight (it would only cost memory)."""
+        self.plan = plan
+        if not plan.plain:
+            self.weight = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); with `out`, added into it (one kernel call on the bf16 path).
@@ -82,46 +115,61 @@ class PackedLinear(nn.Module):
             )
         rows = x.shape[0]
         bucket = row_bucket(rows) if x.dim() == 2 else rows
+        if self.weight is not None and bucket in self.plan.plain:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self._packed(x, rows, bucket)
+        return y if out is None else out.add_(y)
+
+    def _packed(self, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor:
         if bucket != rows:
             x = torch.cat((x, x.new_zeros((bucket - rows, x.shape[1]))))
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )
-        if bucket != rows:
-            y = y[:rows]
-        return y if out is None else out.add_(y)
+        return y[:rows] if bucket != rows else y
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> None:
         """h += forward(x)."""
         self.forward(x, out=h)
 
 
-def warm_row_buckets(model: nn.Module, max_rows: int, budget_s: float) -> int:
-    """Run each distinct PackedLinear shape once per row bucket up to `max_rows`, smallest
-    first, until `budget_s` has passed, so serving does not build oneDNN primitives
-    (see `row_bucket`); returns the number of (shape, bucket) pairs warmed. Layers of one
-    shape share their primitives, so one of each shape is enough."""
-    seen: dict[tuple[int, int, torch.dtype, bool], PackedLinear] = {}
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            key = (
-                module.in_features,
-                module.out_features,
-                module.packed.dtype,
-                module.bias is None,
-            )
-            seen.setdefault(key, module)
-    buckets = sorted({row_bucket(m) for m in range(kernels.MAX_ROWS + 1, max_rows + 1)})
-    deadline = time.perf_counter() + budget_s
+TUNE_MAX_ROWS = 256  # past this the two were even here; larger buckets are only warmed
+TUNE_ROUNDS = 5  # alternating calls of each per bucket; the fastest of each is compared
+
+
+def tune_row_buckets(linear: PackedLinear, max_rows: int, deadline: float) -> tuple[RowPlan, int]:
+    """Build `linear`'s oneDNN primitive for every row bucket up to `max_rows`, smallest
+    first, until `deadline` (`time.perf_counter()`), so serving does not build them (see
+    `row_bucket`); up to `TUNE_MAX_ROWS`, also time the prepacked call against `F.linear`
+    and plan `F.linear` where it was faster. Returns the plan and the buckets warmed.
+    Without the plain weight (already planned) it only warms."""
+    buckets = sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+    plain: set[int] = set()
+    weight, bias = linear.weight, linear.bias
     warmed = 0
+    generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in buckets:
-            for linear in seen.values():
-                if time.perf_counter() > deadline:
-                    return warmed
-                linear(torch.zeros((rows, linear.in_features), dtype=linear.packed.dtype))
-                warmed += 1
-    return warmed
+            if time.perf_counter() > deadline:
+                break
+            x = torch.randn((rows, linear.in_features), generator=generator)
+            x = x.to(linear.packed.dtype)
+            linear._packed(x, rows, rows)  # builds the primitive
+            warmed += 1
+            if weight is None or rows > TUNE_MAX_ROWS:
+                continue
+            best_packed = best_plain = math.inf
+            for _ in range(TUNE_ROUNDS):
+                start = time.perf_counter()
+                linear._packed(x, rows, rows)
+                middle = time.perf_counter()
+                F.linear(x, weight, bias)
+                best_packed = min(best_packed, middle - start)
+                best_plain = min(best_plain, time.perf_counter() - middle)
+            if best_plain < best_packed:
+                plain.add(rows)
+    return RowPlan(frozenset(plain)), warmed
 
 
 def native_low_precision(dtype: torch.dtype) -> bool:
@@ -156,23 +204,45 @@ def pack_linears(
     names: tuple[str, ...],
     dtype: torch.dtype,
     small_dtype: torch.dtype | None = None,
+    max_rows: int = 0,
+    budget_s: float = 0.0,
 ) -> int:
     """Swap `nn.Linear` children called `names` (any depth) for PackedLinear; return count.
 
     `small_dtype`: the checkpoint's dtype when the model was upcast to fp32 for compute
-    (see PackedLinear)."""
+    (see PackedLinear). `max_rows`, `budget_s`: the first projection of each shape is
+    tuned (`tune_row_buckets`) up to `max_rows` rows within its share of `budget_s`, and
+    the others of its shape use its plan; each keeps its plain weight only where the plan
+    uses it, so the model never holds two copies of weights the plan does not need."""
     if not can_pack(dtype):
         return 0
-    count = 0
+    children = [
+        (module, name, child)
+        for module in list(model.modules())
+        for name in names
+        if type(child := getattr(module, name, None)) is nn.Linear
+    ]
+    shapes = {(c.in_features, c.out_features, c.weight.dtype, c.bias is None) for *_, c in children}
+    share_s = budget_s / max(1, len(shapes))
+    plans: dict[tuple[int, int, torch.dtype, bool], RowPlan] = {}
+    count = warmed = 0
     with torch.inference_mode(False), torch.no_grad(), huge_pages_for_new_memory():
-        for module in list(model.modules()):
-            for name in names:
-                child = getattr(module, name, None)
-                if type(child) is nn.Linear:
-                    try:
-                        setattr(module, name, PackedLinear(child, small_dtype=small_dtype))
-                        count += 1
-                    except RuntimeError as e:  # unsupported shape/dtype on this build
-                        logger.warning("oneDNN prepack failed for %s: %s", name, e)
-                        return count
+        for module, name, child in children:
+            try:
+                packed = PackedLinear(child, small_dtype=small_dtype)
+            except RuntimeError as e:  # unsupported shape/dtype on this build
+                logger.warning("oneDNN prepack failed for %s: %s", name, e)
+                return count
+            plan = plans.get(packed.shape_key)
+            if plan is None:
+                deadline = time.perf_counter() + share_s
+                plan, n = tune_row_buckets(packed, max_rows, deadline)
+                plans[packed.shape_key] = plan
+                warmed += n
+            packed.use(plan)
+            setattr(module, name, packed)
+            count += 1
+    for key, plan in plans.items():
+        logger.debug("projection %s: F.linear for row buckets %s", key, sorted(plan.plain))
+    logger.debug("warmed %s oneDNN (shape, row bucket) pairs", warmed)
     return count

@@ -20,7 +20,6 @@ from engine.models.cpu_linear import (
     PackedLinear,
     native_low_precision,
     pack_linears,
-    warm_row_buckets,
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization import Int8Linear
@@ -29,9 +28,9 @@ from engine.sampler import Sampler, greedy_tokens
 
 logger = logging.getLogger(__name__)
 
-# start-up time spent building oneDNN primitives for the row buckets of the packed
-# projections (`engine.models.cpu_linear.warm_row_buckets`): all of them take ~0.2 s for
-# tiny-llama; a bigger model warms its smaller buckets and builds the rest on first use
+# start-up time spent tuning the packed projections' row buckets and building their oneDNN
+# primitives (`engine.models.cpu_linear.tune_row_buckets`), shared among the shapes: a
+# bigger model tunes its smaller buckets and builds the rest on first use
 WARM_BUDGET_S = 1.0
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,10 +116,14 @@ class ModelRunner:
             names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
             # bf16 checkpoints keep a bf16 weight for the fused decode path (PackedLinear)
             small = torch.bfloat16 if self.weights_dtype == torch.bfloat16 else None
-            self.num_packed = pack_linears(model, names, self.dtype, small_dtype=small)
-            if self.num_packed:
-                warmed = warm_row_buckets(model, config.max_num_batched_tokens, WARM_BUDGET_S)
-                logger.debug("warmed %s oneDNN (shape, row bucket) pairs", warmed)
+            self.num_packed = pack_linears(
+                model,
+                names,
+                self.dtype,
+                small_dtype=small,
+                max_rows=config.max_num_batched_tokens,
+                budget_s=WARM_BUDGET_S,
+            )
         mc = model.config
         self.block_size = config.block_size
         self.num_kv_groups = mc.num_attention_heads // mc.num_key_value_heads

@@ -11,11 +11,13 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.models.cpu_linear import (
+    TUNE_MAX_ROWS,
     PackedLinear,
+    RowPlan,
     can_pack,
     pack_linears,
     row_bucket,
-    warm_row_buckets,
+    tune_row_buckets,
 )
 from engine.quantization import Int8Linear
 from engine.runner.model_runner import ModelRunner
@@ -57,9 +59,10 @@ def test_a_packed_linear_pads_its_rows_to_a_bucket_and_returns_only_its_own() ->
     torch.manual_seed(0)
     lin = nn.Linear(64, 48, bias=True)
     packed = PackedLinear(lin)
-    holder = nn.Module()
-    holder.proj = packed
-    assert warm_row_buckets(holder, 64, budget_s=10.0) > 0
+    packed.use(RowPlan())  # every bucket through oneDNN, whatever this CPU measures
+    assert packed.weight is None  # no plan uses it: dropped
+    _, warmed = tune_row_buckets(packed, 64, deadline=float("inf"))
+    assert warmed == len({row_bucket(m) for m in range(1, 65)})
     for rows in (5, 17, 37, 100):  # 17 -> 18, 37 -> 40, 100 -> 104 rows run
         x = torch.randn(rows, 64)
         y = packed(x)
@@ -68,6 +71,40 @@ def test_a_packed_linear_pads_its_rows_to_a_bucket_and_returns_only_its_own() ->
         h = torch.ones(rows, 48)
         packed.add_to(x, h)
         torch.testing.assert_close(h, lin(x) + 1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="oneDNN prepack unavailable")
+def test_the_row_plan_sends_its_buckets_through_f_linear_and_the_rest_through_onednn() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    packed = PackedLinear(lin)
+    packed.use(RowPlan(frozenset({4, 18})))
+    assert packed.weight is not None  # kept: the plan uses it
+    for rows in (4, 17):  # 17 rows are bucket 18: plain, unpadded
+        x = torch.randn(rows, 64)
+        assert torch.equal(packed(x), lin(x))  # F.linear itself, bit for bit
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)  # oneDNN's order
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason="oneDNN prepack unavailable")
+def test_tuning_plans_only_buckets_it_timed_and_one_plan_serves_each_shape() -> None:
+    plan, warmed = tune_row_buckets(PackedLinear(nn.Linear(32, 16)), 512, float("inf"))
+    assert warmed == len({row_bucket(m) for m in range(1, 513)})
+    assert all(b <= TUNE_MAX_ROWS and b == row_bucket(b) for b in plan.plain)
+    _, none_warmed = tune_row_buckets(PackedLinear(nn.Linear(32, 16)), 512, deadline=0.0)
+    assert none_warmed == 0  # past the deadline: nothing built, nothing planned
+
+    model = nn.Module()
+    model.a, model.b = nn.Module(), nn.Module()
+    model.a.proj, model.b.proj = nn.Linear(32, 16), nn.Linear(32, 16)
+    model.a.out = nn.Linear(16, 8)
+    reference = {name: m.proj(torch.ones(3, 32)) for name, m in (("a", model.a), ("b", model.b))}
+    assert pack_linears(model, ("proj", "out"), torch.float32, max_rows=64, budget_s=5.0) == 3
+    assert isinstance(model.a.proj, PackedLinear) and isinstance(model.b.proj, PackedLinear)
+    assert model.a.proj.plan is model.b.proj.plan  # tuned once for the shape
+    for name, m in (("a", model.a), ("b", model.b)):
+        torch.testing.assert_close(m.proj(torch.ones(3, 32)), reference[name])
 
 
 def test_int8_model_mostly_agrees_with_full_precision(tmp_path: Path) -> None:
