@@ -50,12 +50,13 @@ class UsageSettler:
                     completion_tokens=usage.completion_tokens,
                 ),
                 batch=is_batch(usage),
+                estimated=usage.estimated,
             )
         )
 
     def settlement(
         self, tenant_id: str, request_id: str, attempt: int, model: str, usage: Usage, *,
-        batch: bool,
+        batch: bool, estimated: bool = False,
     ) -> Settlement:  # fmt: skip
         price = self.prices.get(model)
         picos = 0
@@ -64,7 +65,8 @@ class UsageSettler:
                 usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, batch=batch
             )
         tokens = usage.prompt_tokens + usage.completion_tokens
-        return Settlement(tenant_id, request_id, attempt, tokens, picos_to_micros_ceil(picos))
+        micros = picos_to_micros_ceil(picos)
+        return Settlement(tenant_id, request_id, attempt, tokens, micros, estimated)
 
 
 class AdmissionService:

@@ -1,8 +1,10 @@
 """The usage ledger: one row per (request_id, attempt), priced at write, idempotent.
 
 `UsageLedger.record` inserts a batch of usage records in one transaction with
-`INSERT … ON CONFLICT (request_id, attempt) DO NOTHING` (PostgreSQL and SQLite alike),
-so a replayed or redelivered record changes nothing. The price is read in the same
+`INSERT … ON CONFLICT (request_id, attempt) DO UPDATE … WHERE` the stored row is an
+estimate and the new one is not (PostgreSQL and SQLite alike): a replayed or redelivered
+record changes nothing, and an attempt's own record replaces the estimate a resuming
+worker published for it (`UsageRecord.estimated`). The price is read in the same
 transaction. A model missing from the price book is recorded with cost 0 and
 `priced = false` (never dropped: the tokens are still billed facts; reports count them).
 """
@@ -34,6 +36,17 @@ def is_batch(usage: UsageRecord) -> bool:
 
 def usage_day(finished_ms: int) -> dt.date:
     return dt.datetime.fromtimestamp(finished_ms / 1000, dt.UTC).date()
+
+
+def _one_per_attempt(usages: Sequence[UsageRecord]) -> list[UsageRecord]:
+    """One record per (request_id, attempt) of a batch, an attempt's own over an estimate
+    (one statement may not touch a row twice)."""
+    kept: dict[tuple[str, int], UsageRecord] = {}
+    for usage in usages:
+        key = (usage.request_id, usage.attempt)
+        if key not in kept or (kept[key].estimated and not usage.estimated):
+            kept[key] = usage
+    return list(kept.values())
 
 
 def ledger_row(usage: UsageRecord, price: Price | None) -> dict[str, Any]:
@@ -68,6 +81,7 @@ def ledger_row(usage: UsageRecord, price: Price | None) -> dict[str, Any]:
         "usage_day": usage_day(t.finished_ms),
         "batch_id": usage.batch_id,
         "recorded_at": utcnow(),
+        "estimated": usage.estimated,
     }
 
 
@@ -86,7 +100,9 @@ class UsageLedger:
         self.db = db
 
     def record(self, usages: Sequence[UsageRecord]) -> int:
-        """Insert in one committed transaction; returns how many rows were new."""
+        """Insert in one committed transaction; returns how many rows were new or replaced
+        an estimate."""
+        usages = _one_per_attempt(usages)
         if not usages:
             return 0
         with self.db.session() as session:
@@ -101,13 +117,14 @@ class UsageLedger:
                         usage.tenant_id,
                     )
             insert = postgresql.insert if self.db.dialect == "postgresql" else sqlite.insert
-            statement = (
-                insert(LEDGER)
-                .values(rows)
-                .on_conflict_do_nothing(index_elements=["request_id", "attempt"])
-                .returning(LEDGER.c.request_id)
-            )
-            # RETURNING yields the rows actually inserted (rowcount is unreliable here).
+            values = insert(LEDGER).values(rows)
+            key = ("request_id", "attempt")
+            statement = values.on_conflict_do_update(
+                index_elements=list(key),
+                set_={c: values.excluded[c] for c in rows[0] if c not in key},
+                where=LEDGER.c.estimated & ~values.excluded.estimated,
+            ).returning(LEDGER.c.request_id)
+            # RETURNING yields the rows inserted or replaced (rowcount is unreliable here).
             return len(session.connection().execute(statement).all())
 
     def period_spend(self, tenant_id: str, month: dt.date) -> PeriodSpend:

@@ -112,3 +112,6 @@ class UsageEntry(Base):
     usage_day: Mapped[dt.date] = mapped_column(sa.Date)
     batch_id: Mapped[str | None] = mapped_column(sa.String(100))
     recorded_at: Mapped[dt.datetime] = mapped_column(sa.DateTime(timezone=True), default=utcnow)
+    # the resuming worker's count for a killed attempt (`UsageRecord.estimated`): the
+    # attempt's own record replaces the row
+    estimated: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())

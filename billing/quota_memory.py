@@ -38,6 +38,12 @@ class _Inflight:
     expires_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    expires_ms: int
+    estimate: tuple[int, int] | None = None  # (tokens, cost) of an estimated settlement
+
+
 @dataclass(slots=True)
 class _Tenant:
     tat_us: int = 0  # GCRA theoretical arrival time
@@ -59,7 +65,7 @@ class MemoryQuotaStore:
         self.dedupe_ttl_ms = int(dedupe_ttl_s * 1000)
         self._clock_ms = clock_ms
         self._tenants: dict[str, _Tenant] = {}
-        self._settled: dict[str, int] = {}  # member -> expiry
+        self._settled: dict[str, _Settled] = {}  # tenant + member -> dedupe entry
         self._lock = threading.Lock()
 
     def admit(self, limits: Limits, reservation: Reservation) -> Decision:
@@ -111,9 +117,15 @@ class MemoryQuotaStore:
         with self._lock:
             now = self._clock_ms()
             key = f"{s.tenant_id}\x00{s.member}"
-            if self._settled.get(key, 0) > now:
-                return False
-            self._settled[key] = now + self.dedupe_ttl_ms
+            settled = self._settled.get(key)
+            if settled is not None and settled.expires_ms > now:
+                if s.estimated or settled.estimate is None:
+                    return False
+                self._settled[key] = _Settled(settled.expires_ms)
+                self._replace_estimate(s, settled.estimate, now)
+                return True
+            estimate = (s.tokens, s.cost_micros) if s.estimated else None
+            self._settled[key] = _Settled(now + self.dedupe_ttl_ms, estimate)
             state = self._tenants.setdefault(s.tenant_id, _Tenant())
             entry = state.inflight.pop(s.member, None)
             if entry is not None:
@@ -126,8 +138,16 @@ class MemoryQuotaStore:
             month = month_of(now)
             state.spend[month] = state.spend.get(month, 0) + s.cost_micros
             if len(self._settled) > 100_000:
-                self._settled = {k: v for k, v in self._settled.items() if v > now}
+                self._settled = {k: v for k, v in self._settled.items() if v.expires_ms > now}
             return True
+
+    def _replace_estimate(self, s: Settlement, estimate: tuple[int, int], now: int) -> None:
+        """What the attempt's own settlement counts beyond the estimate settled before."""
+        state = self._tenants.setdefault(s.tenant_id, _Tenant())
+        window = now // WINDOW_MS
+        state.tokens[window] = state.tokens.get(window, 0) + s.tokens - estimate[0]
+        month = month_of(now)
+        state.spend[month] = state.spend.get(month, 0) + s.cost_micros - estimate[1]
 
     def _purge(self, state: _Tenant, now: int) -> None:
         for member, entry in list(state.inflight.items()):

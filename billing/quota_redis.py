@@ -3,7 +3,8 @@
 Keys per tenant share a hash tag, `<prefix>:{<tenant_id>}:…`, so each script touches one
 cluster slot: `tat` (GCRA), `tpm:<minute>`, `leases` (zset: member → expiry ms),
 `inflight` (hash: member → "tokens:window:cost"), `reserved` (estimates in flight),
-`spend:<YYYYMM>` (micro-dollars) and `settled:<request_id>:<attempt>` (dedupe marker).
+`spend:<YYYYMM>` (micro-dollars) and `settled:<request_id>:<attempt>` (dedupe marker:
+`1`, or `E:<tokens>:<cost>` for an estimated settlement that the attempt's own may top up).
 The scripts build key names from the tenant's base key; all share its slot.
 
 When Redis does not answer (connection refused, timeout), the policy is:
@@ -124,9 +125,23 @@ SETTLE = (
 local now, member = tonumber(ARGV[1]), ARGV[2]
 local tokens, cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local month, dedupe_ms = ARGV[5], tonumber(ARGV[6])
-if not redis.call('SET', base .. ':settled:' .. member, '1', 'NX', 'PX', dedupe_ms) then
-  return 0
+local estimated = ARGV[7] == '1'
+local marker = base .. ':settled:' .. member
+local skey = base .. ':spend:' .. month
+local prev = redis.call('GET', marker)
+if prev then
+  -- settled before: only an attempt's own record after an estimate counts, by its excess
+  local et, ec = string.match(prev, '^E:(%d+):(%d+)$')
+  if estimated or not et then return 0 end
+  redis.call('SET', marker, '1', 'KEEPTTL')
+  local tkey = base .. ':tpm:' .. math.floor(now / W)
+  redis.call('INCRBY', tkey, tokens - tonumber(et))
+  redis.call('PEXPIRE', tkey, 2 * W)
+  redis.call('INCRBY', skey, cost - tonumber(ec))
+  redis.call('EXPIRE', skey, 40 * 86400)
+  return 1
 end
+redis.call('SET', marker, estimated and ('E:' .. tokens .. ':' .. cost) or '1', 'PX', dedupe_ms)
 local e = redis.call('HGET', inflight, member)
 if e then
   local t, w, c = string.match(e, '^(%d+):(%d+):(%d+)$')
@@ -140,7 +155,6 @@ else
   redis.call('INCRBY', tkey, tokens)
   redis.call('PEXPIRE', tkey, 2 * W)
 end
-local skey = base .. ':spend:' .. month
 redis.call('INCRBY', skey, cost)
 redis.call('EXPIRE', skey, 40 * 86400)
 return 1
@@ -210,6 +224,7 @@ class RedisQuotaStore:
             raise StoreUnavailable("Redis quota store unavailable; settlement will be retried")
         now = self._clock_ms()
         args = [now, s.member, s.tokens, s.cost_micros, month_of(now), self.dedupe_ttl_ms]
+        args.append(int(s.estimated))
         try:
             return bool(self._settle(keys=[self.base(s.tenant_id)], args=args))
         except _UNREACHABLE as exc:

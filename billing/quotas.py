@@ -11,7 +11,9 @@ Admission (`admit`) checks and reserves in one atomic step, all or nothing:
 Settlement (`settle`, from the usage record; `release` when no usage will ever come)
 gives back the unused token reservation, ends the lease, drops the estimate and adds
 the actual spend. It is deduplicated by (request_id, attempt) for `dedupe_ttl_s`
-(default 24 h): replays inside that window change nothing.
+(default 24 h): replays inside that window change nothing, except that an attempt's own
+settlement after an estimated one (`Settlement.estimated`) adds the difference in
+tokens (this minute) and spend, as the ledger replaces the estimate's row.
 
 Implementations: `MemoryQuotaStore` (embedded, one process) and `RedisQuotaStore` (one
 Lua script per call); both pass the same contract suite.
@@ -57,6 +59,9 @@ class Settlement:
     attempt: int
     tokens: int  # prompt_tokens + completion_tokens
     cost_micros: int
+    # a resuming worker's count for a killed attempt (`UsageRecord.estimated`): the
+    # attempt's own settlement, arriving later, adds what it counted beyond the estimate
+    estimated: bool = False
 
     @property
     def member(self) -> str:

@@ -142,8 +142,11 @@ class Timings(BaseModel):
 class UsageRecord(Message):
     """What one attempt consumed. Exactly one per finished or aborted attempt; for an
     attempt whose worker was killed, the worker that resumes the request publishes it
-    (`consumers.engine_outputs.superseded_usage`). The ledger keeps one per
-    (request_id, attempt), so a second one from a zombie changes nothing."""
+    (`consumers.engine_outputs.superseded_usage`) with `estimated` set: the tokens the
+    progress store confirms, a lower bound of what the attempt generated. The ledger and
+    the quota store keep one per (request_id, attempt): a replay changes nothing, and the
+    attempt's own record (its worker published it before dying, or was alive after all)
+    replaces an estimate, whichever arrives first, so billed = generated (DESIGN.md §5.4)."""
 
     request_id: str
     attempt: int = 0
@@ -157,6 +160,7 @@ class UsageRecord(Message):
     finish_reason: FinishReason
     timings: Timings
     batch_id: str | None = None
+    estimated: bool = False
 
 
 class TelemetryRecord(Message):

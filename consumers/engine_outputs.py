@@ -220,12 +220,13 @@ def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> Us
     """The usage of an earlier attempt whose worker died before publishing it (kill -9):
     the tokens the progress store confirms it published, which the client received.
     It generated, so its prompt ran: it bills the client's prompt as every attempt that
-    ran does (`usage_record`). The ledger keeps one row per (request_id, attempt), so a
-    record from that attempt's own worker, if it was alive after all, changes nothing."""
+    ran does (`usage_record`). It is an estimate: the attempt may have generated more
+    before it died, and its own record, if it went out, replaces this one (`UsageRecord`)."""
     request = item.request
     timings = Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms())
     prompt = len(request.prompt_token_ids)
-    return _usage(item, attempt, prompt, 0, completion_tokens, "error", timings)
+    usage = _usage(item, attempt, prompt, 0, completion_tokens, "error", timings)
+    return usage.model_copy(update={"estimated": True})
 
 
 def _usage(

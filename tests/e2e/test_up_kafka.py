@@ -103,11 +103,12 @@ def test_sdk_checks_through_kafka(stack: Stack) -> None:
 
 
 def _usage_attempts(bootstrap: str, request_ids: set[str], timeout_s: float = 30) -> dict:
-    """(completion tokens, finish reason) per attempt with a usage record, per request
-    (all of them must have one); the first record per attempt, as the ledger keeps them."""
+    """(completion tokens, finish reason, estimated) per attempt with a usage record, per
+    request (all of them must have one); one record per attempt as the ledger keeps them:
+    the first, or the attempt's own over the resumer's estimate."""
     bus = KafkaEventBus(KafkaConfig(bootstrap=bootstrap, client_id="e2e-usage"))
     consumer = bus.consumer(f"e2e-usage-{uuid.uuid4().hex[:6]}", [USAGE_TOPIC])
-    attempts: dict[str, dict[int, tuple[int, str]]] = {}
+    attempts: dict[str, dict[int, tuple[int, str, bool]]] = {}
 
     def read_until(deadline: float, stop_when_all: bool) -> None:
         while time.monotonic() < deadline:
@@ -117,7 +118,10 @@ def _usage_attempts(bootstrap: str, request_ids: set[str], timeout_s: float = 30
                 usage = decode_as(UsageRecord, record.value)
                 if usage.request_id in request_ids:
                     seen = attempts.setdefault(usage.request_id, {})
-                    seen.setdefault(usage.attempt, (usage.completion_tokens, usage.finish_reason))
+                    kept = seen.get(usage.attempt)
+                    if kept is None or (kept[2] and not usage.estimated):
+                        n, reason = usage.completion_tokens, usage.finish_reason
+                        seen[usage.attempt] = (n, reason, usage.estimated)
 
     try:
         read_until(time.monotonic() + timeout_s, stop_when_all=True)
@@ -261,19 +265,19 @@ def test_kill_9_of_a_worker_mid_stream_loses_and_duplicates_nothing(stack: Stack
     # every token the clients were told is billed: the killed attempts' usage comes
     # from the worker that resumed them (a kill -9 publishes none), as the tokens the
     # progress store says they published, and the resumed attempt generates the rest
-    billed = {rid: sum(n for n, _ in per_attempt.values()) for rid, per_attempt in usage.items()}
+    billed = {rid: sum(n for n, *_ in per_attempt.values()) for rid, per_attempt in usage.items()}
     for rid, per_attempt in usage.items():
-        # The ledger keeps the first record per attempt. For an attempt that did not end
-        # the request it is either the resumer's ('error': what the progress store says
-        # it published, exactly where the next attempt resumed) or the attempt's own,
-        # counting what it generated (DESIGN.md §5 invariant 4: billed = generated): one
-        # that a rebalance took from a live worker ('abort'), or one killed after its
-        # usage went out but before its last progress write (seen in CI: {0: (200,
-        # 'length'), 1: (1, 'length')}). The next attempt generates again what that one
-        # had not recorded, so the sum may exceed what the client got by what one
-        # attempt held back (a 10 ms reply interval of ~2 ms steps, plus a step).
+        # For an attempt that did not end the request the ledger keeps the attempt's own
+        # record, counting what it generated (DESIGN.md §5 invariant 4: billed =
+        # generated), if one went out: one that a rebalance took from a live worker
+        # ('abort'), or one killed after its usage went out but before its last progress
+        # write (seen in CI: {0: (200, 'length'), 1: (1, 'length')}). Else the resumer's
+        # estimate: what the progress store says it published, exactly where the next
+        # attempt resumed. The next attempt generates again what an attempt had not
+        # recorded, so with an own record the sum may exceed what the client got by what
+        # one attempt held back (a 10 ms reply interval of ~2 ms steps, plus a step).
         last = max(per_attempt)
-        own = any(reason != "error" for a, (_, reason) in per_attempt.items() if a < last)
+        own = any(not estimated for a, (*_, estimated) in per_attempt.items() if a < last)
         top = STREAM_TOKENS + 16 if own else STREAM_TOKENS
         assert STREAM_TOKENS <= billed[rid] <= top, per_attempt
     mismatched = {

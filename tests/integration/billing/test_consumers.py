@@ -92,6 +92,38 @@ def test_ledger_prices_at_write_and_ignores_duplicates(db: Database) -> None:
     assert Decimal(small.cost_picos(1, 0, 1, batch=True)) == Decimal(375_000)
 
 
+def test_an_attempts_own_usage_replaces_the_resumers_estimate_in_either_order(
+    db: Database,
+) -> None:
+    """A killed attempt's usage: the resuming worker's estimate (the tokens confirmed
+    published) and the attempt's own record (what it generated, published before the
+    kill) may both arrive, in either order; the ledger keeps the own one (DESIGN.md §5.4)."""
+    set_prices(db)
+    ledger = UsageLedger(db)
+    base = make_usages(2)
+    own = [u.model_copy(update={"model": "llama-small", "completion_tokens": 200}) for u in base]
+    estimate = [
+        u.model_copy(update={"completion_tokens": 199, "estimated": True, "finish_reason": "error"})
+        for u in own
+    ]
+    assert ledger.record([estimate[0]]) == 1
+    assert ledger.record([estimate[0]]) == 0  # a replayed estimate
+    assert ledger.record([own[0]]) == 1  # replaces it
+    assert ledger.record([estimate[0], own[0]]) == 0  # replays change nothing now
+    assert ledger.record([own[1]]) == 1
+    assert ledger.record([estimate[1]]) == 0  # too late: the own record stays
+    with db.session() as session:
+        rows = session.execute(sa.select(UsageEntry).order_by(UsageEntry.request_id)).scalars()
+        got = [(r.completion_tokens, r.finish_reason, r.estimated) for r in rows]
+    assert got == [(200, own[0].finish_reason, False), (200, own[1].finish_reason, False)]
+    # both in one batch: the own one wins there too
+    third = own[0].model_copy(update={"request_id": "req-batch"})
+    guess = estimate[0].model_copy(update={"request_id": "req-batch"})
+    assert ledger.record([guess, third, guess]) == 1
+    cost = {row[0]: row[6] for row in ledger_snapshot(db)}
+    assert cost["req-batch"] == cost[own[0].request_id]
+
+
 @pytest.mark.parametrize(
     "bus_kind,db_kind",
     [

@@ -137,6 +137,25 @@ def test_settlement_is_deduplicated_by_request_and_attempt(make_store: Make) -> 
     assert not store.admit(limits, res("c", tokens=10, cost=1)).allowed  # 500 + 500 held
 
 
+def test_an_attempts_own_settlement_replaces_an_estimated_one(make_store: Make) -> None:
+    """A killed attempt settled first from the resumer's estimate, then from its own
+    record: the store ends up as if only the own one had come, in either order."""
+    clock = FakeClock()
+    store = make_store(clock)
+    limits = Limits(tpm=1000, monthly_budget_micros=1000)
+    assert store.admit(limits, res("a", tokens=500, cost=500)).allowed
+    assert store.settle(Settlement("t1", "a", 0, 100, 100, estimated=True))
+    assert not store.settle(Settlement("t1", "a", 0, 100, 100, estimated=True))  # replay
+    assert store.settle(Settlement("t1", "a", 0, 150, 300))  # own: +50 tokens, +200 spend
+    assert not store.settle(Settlement("t1", "a", 0, 150, 300))
+    assert not store.settle(Settlement("t1", "a", 0, 100, 100, estimated=True))
+    assert store.settle(Settlement("t1", "b", 0, 50, 50))  # own first ...
+    assert not store.settle(Settlement("t1", "b", 0, 40, 40, estimated=True))  # ... stays
+    d = store.admit(limits, res("c", tokens=100, cost=650))
+    assert (d.allowed, d.remaining_tokens) == (True, 700)  # 150 + 50 + 100 used
+    assert not store.admit(limits, res("d", tokens=1, cost=1)).allowed  # 350 spent + 650
+
+
 def test_a_denial_reserves_nothing(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)

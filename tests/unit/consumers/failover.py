@@ -60,6 +60,7 @@ def run_failover(progress_a: ProgressStore, progress_b: ProgressStore, request_i
         (1, MAX_TOKENS - num_resumed),
     ]
     assert usage[0].finish_reason == "error" and usage[0].prompt_tokens == 3
+    assert usage[0].estimated and not usage[1].estimated  # A's own record would replace it
     # the short request finished on A before the kill or was redone on B: one terminal
     assert client.view.streams[f"{request_id}-short"].num_terminal == 1
 
