@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -206,6 +208,26 @@ def test_submit_does_not_wait_for_the_engine() -> None:
             backend.submit(EngineRequest(f"r{i}", [1, 2, 3], greedy(1)))
         assert time.perf_counter() - t0 < 0.5
         await collect(backend, {f"r{i}" for i in range(200)})
+        backend.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice here")
+def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        assert backend.thread_nice == 10  # the default: I/O threads come first
+        backend.thread_nice = 7
+        caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        backend.start()
+        backend.submit(EngineRequest("a", PROMPT, greedy(2)))
+        await collect(backend, {"a"})
+        thread = backend._thread
+        assert thread is not None and thread.native_id is not None
+        # nice values only go up without privileges: the engine's is at least what it asked
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) >= 7
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
         backend.shutdown()
 
     asyncio.run(main())
