@@ -69,15 +69,11 @@ class TorchEngineBackend:
         # 1.5 ms, p99 2.2-4.3 ms without it; p90 0.3-0.5 ms, p99 0.6-1.6 ms with 0.2 ms.
         # Steps giving first tokens are a small share of all steps: ~0.2 ms per prefill.
         self.first_token_yield_s = 0.0002
-        # The engine thread's nice value (Linux, where a thread has its own): a busy
-        # engine then yields its core whenever the threads that move requests and tokens
-        # (the asyncio loop, the Kafka clients, the broker, the gateway) can run, and
-        # takes every cycle they leave. `bench serving`'s priority run on the 2-core VM,
-        # three alternating pairs: interactive TTFT beside a batch backlog p50 15.6, 13.9,
-        # 16.2 ms and p99 25.3, 20.9, 31.4 ms at 10 against p50 18.0, 14.9, 18.4 and p99
-        # 30.3, 28.2, 31.8 at 0; batch tokens/s in the window 1,394, 1,573, 1,238 against
-        # 1,253, 1,556, 1,229. None leaves the thread as it was started.
-        self.thread_nice: int | None = 10
+        # The engine thread's nice value (Linux, where a thread has its own), set as it
+        # starts; None leaves it as started. The engine worker sets it (see
+        # `EngineWorkerConfig.engine_thread_nice`); only with one torch thread, since
+        # torch's helper threads keep the priority of the thread that created them.
+        self.thread_nice: int | None = None
 
     @classmethod
     def from_model(
@@ -206,7 +202,8 @@ class TorchEngineBackend:
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
         core = self.core
-        _renice_this_thread(self.thread_nice)
+        if self.thread_nice is not None:
+            _renice_this_thread(self.thread_nice)
         try:
             while True:
                 with self._cond:
@@ -281,10 +278,10 @@ def _terminal_delta(
     )
 
 
-def _renice_this_thread(nice: int | None) -> None:
+def _renice_this_thread(nice: int) -> None:
     """Give the calling thread `nice` (Linux: a thread id is a process id to setpriority);
     elsewhere, or where it is refused, the thread keeps its priority."""
-    if nice is None or not hasattr(os, "setpriority"):
+    if not hasattr(os, "setpriority"):
         return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

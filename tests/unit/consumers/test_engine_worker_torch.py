@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from bus.memory import MemoryEventBus
 from bus.messages import GenerateRequest, SamplingSpec
@@ -38,9 +39,12 @@ def test_tiny_llama_streams_and_resumes_after_a_worker_dies(tmp_path: Path) -> N
     create_topics(bus, request_partitions=1)
     client = Client(bus)
     store = MemoryProgressStore()
-    a = WorkerThread(bus, backend(tmp_path), progress=store, worker_id="a").start()
+    engine_a = backend(tmp_path)
+    a = WorkerThread(bus, engine_a, progress=store, worker_id="a").start()
     client.send(request("ref"))
     client.wait_finished(["ref"], timeout_s=60)
+    # the worker lowers a one-thread engine's priority (EngineWorkerConfig.engine_thread_nice)
+    assert engine_a.thread_nice == (10 if torch.get_num_threads() == 1 else None)
     client.send(request("fo"))
     client.wait(lambda: len(client.view.streams.get("fo", _NONE).token_ids) >= 20, 60)
     a.abandon()
