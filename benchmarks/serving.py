@@ -125,7 +125,7 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
     from engine.backends.torch_backend import TorchEngineBackend
     from sluice.wiring import freeze_heap
 
-    procs.set_threads()
+    procs.set_threads(procs.worker_threads())
     worker = procs.start_worker(bootstrap, data_dir, f"bench-engine-{uuid.uuid4().hex[:8]}")
     bus = KafkaEventBus(procs.kafka_config(bootstrap, "sluice-bench-gateway"))
     direct: runs.DirectClient | None = None
@@ -221,7 +221,8 @@ def run(
         result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir))
     result["kafka_broker"] = broker
     result["model"] = "tiny-llama"
-    result["torch_threads"] = {"direct": procs.DIRECT_THREADS, "worker": procs.worker_threads()}
+    threads = procs.worker_threads()
+    result["torch_threads"] = {"direct": threads, "worker": threads}
     result["quick"] = quick
     result["checks"] = _checks(result)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)

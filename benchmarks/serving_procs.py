@@ -40,19 +40,20 @@ def engine_config() -> Any:
     return EngineConfig(scheduling_policy="priority")
 
 
-DIRECT_THREADS = 2  # the direct arm's best here: 1 thread measured 0.7-0.8x its tok/s
-
-
 def worker_threads() -> int:
     """The worker's torch threads as `sluice worker engine` picks them on CPU
-    (`SLUICE_TORCH_THREADS`, else every core but one)."""
+    (`SLUICE_TORCH_THREADS`, else every core but one). The direct arm runs the engine
+    with the same count: the same engine both ways. (It had 2 on this 2-core VM, its
+    best on the AVX-512 day; on the AVX2 day 2 threads were its worst: at 10 req/s TTFT
+    p50 13-18 ms against 7 ms with 1, and 1,500-1,900 tok/s at 80 req/s against
+    3,400-3,800, which flattered every pipeline/direct ratio.)"""
     from sluice.settings import ModelSettings, load_settings
     from sluice.wiring import resolve_torch_threads
 
-    return resolve_torch_threads(load_settings(ModelSettings), "cpu") or DIRECT_THREADS
+    return resolve_torch_threads(load_settings(ModelSettings), "cpu") or 1
 
 
-def set_threads(num_threads: int = DIRECT_THREADS) -> None:
+def set_threads(num_threads: int) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
