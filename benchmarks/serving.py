@@ -152,7 +152,13 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
                 row = await _sweep_point(direct, pipeline, rate, n, rounds, seed=100 + i)
             result["sweep"].append(row)
         capacity = max(row["direct"]["tokens_per_s"] for row in result["sweep"])
-        result["priority"] = await runs.priority_run(lambda: _gateway(bus), quick, capacity)
+        result["priority"] = priority = await runs.priority_run(
+            lambda: _gateway(bus), quick, capacity
+        )
+        priority["hops"] = {
+            half: await asyncio.to_thread(procs.telemetry_hops, bootstrap, first_tokens)
+            for half, first_tokens in priority.pop("first_token_ms").items()
+        }
         # the engine caps standard requests for `priority_hold_s` (0.5 s) after the last
         # interactive one left, oldest running first: that would favour tenant A, whose
         # requests come first, at the start of the fairness run
@@ -268,6 +274,11 @@ def render(result: dict[str, Any]) -> str:
         f"(batch {pr['batch_tokens_per_s_in_window']} tok/s, "
         f"{pr['batch_left_at_window_end']}/{pr['batch_backlog']} left)"
     )
+    for half, hops in pr["hops"].items():
+        spans = ", ".join(
+            f"{name} {hops[name]['p50_ms']:.0f}/{hops[name]['p99_ms']:.0f}" for name in procs.HOPS
+        )
+        lines.append(f"  {half} TTFT by hop, p50/p99 ms ({hops['requests']} requests): {spans}")
     fa = result["fairness"]
     lines.append(
         f"fairness: B share {fa['b_share']} of {fa['tokens_a'] + fa['tokens_b']} tokens "

@@ -20,8 +20,10 @@ from typing import Any
 
 from benchmarks.stats import percentile
 from bus.base import TopicSpec
+from bus.codec import decode_as
 from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.topics import TopicLayout
+from bus.messages import TelemetryRecord, Timings
+from bus.topics import TELEMETRY_TOPIC, TopicLayout
 
 
 def kafka_config(bootstrap: str, client_id: str) -> KafkaConfig:
@@ -189,3 +191,41 @@ def bus_round_trip(bootstrap: str, count: int, rate_per_s: float) -> dict[str, A
         "p99_ms": round(percentile(rtt_ms, 99), 2),
         "max_ms": round(max(rtt_ms), 2) if rtt_ms else None,
     }
+
+
+HOPS = ("to_engine", "engine", "to_client")
+
+
+def telemetry_hops(
+    bootstrap: str, first_token_ms: dict[str, int], timeout_s: float = 15.0
+) -> dict[str, Any]:
+    """Where the TTFT of pipeline requests goes, from the worker's telemetry (wall-clock
+    ms, one clock on one machine): gateway → engine submit (`to_engine`: the gateway's
+    publish, the bus hop, the worker's poll and admission), submit → the worker's loop
+    holding the first token (`engine`: the wait for the step in progress and the
+    prefill step), and → the client (`to_client`: the worker's publish, the bus hop back,
+    the gateway's routing). p50/p99 of each over the requests found."""
+    bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-hops"))
+    consumer = bus.consumer(f"hops-{uuid.uuid4().hex[:8]}", [TELEMETRY_TOPIC])
+    timings: dict[str, Timings] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(timings) < len(first_token_ms) and time.monotonic() < deadline:
+            for record in consumer.poll(0.2, 500):
+                telemetry = decode_as(TelemetryRecord, record.value)
+                if telemetry.request_id in first_token_ms and telemetry.attempt == 0:
+                    timings[telemetry.request_id] = telemetry.timings
+    finally:
+        consumer.close()
+        bus.close()
+    spans: dict[str, list[float]] = {name: [] for name in HOPS}
+    for request_id, t in timings.items():
+        if t.scheduled_ms is None or t.first_token_ms is None:
+            continue
+        spans["to_engine"].append(t.scheduled_ms - t.queued_ms)
+        spans["engine"].append(t.first_token_ms - t.scheduled_ms)
+        spans["to_client"].append(first_token_ms[request_id] - t.first_token_ms)
+    out: dict[str, Any] = {"requests": len(spans["engine"])}
+    for name, values in spans.items():
+        out[name] = {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
+    return out

@@ -45,6 +45,7 @@ class Spec:
 class Trace:
     spec: Spec
     submitted: float = 0.0  # perf_counter seconds
+    created_ms: int = 0  # the request's wall-clock creation (pipeline only), for `hops`
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, num tokens)
     finish: str | None = None
 
@@ -160,6 +161,7 @@ class PipelineClient:
             reply_to=self.service.gateway_id,
             created_ms=int(time.time() * 1000),
         )
+        trace.created_ms = request.created_ms or 0
         trace.submitted = time.perf_counter()
         generation = await self.service.submit([request], None)
         self._generations[spec.request_id] = generation
@@ -307,6 +309,15 @@ BACKLOG_LEAD_S = 2.0  # the engine fills up with batch requests before the windo
 BACKLOG_OUTPUT = 256  # tokens per batch request
 
 
+def first_token_ms(traces: Sequence[Trace]) -> dict[str, int]:
+    """Wall-clock ms at which each pipeline request's first token reached the client."""
+    return {
+        t.spec.request_id: t.created_ms + round(ttft)
+        for t in traces
+        if (ttft := t.ttft_ms) is not None and t.created_ms
+    }
+
+
 async def priority_run(
     gateway: Callable[[], AbstractAsyncContextManager[Client]],
     quick: bool,
@@ -330,7 +341,9 @@ async def priority_run(
     async with gateway() as client:
         alone = await open_loop(client, interactive(11), fixed_offsets(n_i, rate_i))
     async with gateway() as client:
-        return await _priority_loaded(client, n_i, rate_i, n_b, interactive, summarize(alone))
+        out = await _priority_loaded(client, n_i, rate_i, n_b, interactive, summarize(alone))
+    out["first_token_ms"] = {"unloaded": first_token_ms(alone), **out["first_token_ms"]}
+    return out
 
 
 async def _priority_loaded(
@@ -369,6 +382,7 @@ async def _priority_loaded(
         "loaded": loaded_summary,
         "batch_tokens_per_s_in_window": round(bulk_tokens / (window_end - window_start), 1),
         "ttft_p99_ratio": round(loaded_summary["ttft_p99_ms"] / unloaded["ttft_p99_ms"], 3),
+        "first_token_ms": {"loaded": first_token_ms(loaded)},
     }
 
 
