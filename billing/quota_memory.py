@@ -117,37 +117,32 @@ class MemoryQuotaStore:
         with self._lock:
             now = self._clock_ms()
             key = f"{s.tenant_id}\x00{s.member}"
+            tokens, cost = s.tokens, s.cost_micros
             settled = self._settled.get(key)
             if settled is not None and settled.expires_ms > now:
                 if s.estimated or settled.estimate is None:
                     return False
+                # the attempt's own record after an estimate: it settles what it counts
+                # beyond the estimate (whose settlement already ended the reservation)
+                tokens, cost = tokens - settled.estimate[0], cost - settled.estimate[1]
                 self._settled[key] = _Settled(settled.expires_ms)
-                self._replace_estimate(s, settled.estimate, now)
-                return True
-            estimate = (s.tokens, s.cost_micros) if s.estimated else None
-            self._settled[key] = _Settled(now + self.dedupe_ttl_ms, estimate)
+            else:
+                estimate = (tokens, cost) if s.estimated else None
+                self._settled[key] = _Settled(now + self.dedupe_ttl_ms, estimate)
             state = self._tenants.setdefault(s.tenant_id, _Tenant())
             entry = state.inflight.pop(s.member, None)
             if entry is not None:
                 if entry.window in state.tokens:
-                    state.tokens[entry.window] += s.tokens - entry.tokens
+                    state.tokens[entry.window] += tokens - entry.tokens
                 state.reserved_micros -= entry.cost_micros
             else:
                 window = now // WINDOW_MS
-                state.tokens[window] = state.tokens.get(window, 0) + s.tokens
+                state.tokens[window] = state.tokens.get(window, 0) + tokens
             month = month_of(now)
-            state.spend[month] = state.spend.get(month, 0) + s.cost_micros
+            state.spend[month] = state.spend.get(month, 0) + cost
             if len(self._settled) > 100_000:
                 self._settled = {k: v for k, v in self._settled.items() if v.expires_ms > now}
             return True
-
-    def _replace_estimate(self, s: Settlement, estimate: tuple[int, int], now: int) -> None:
-        """What the attempt's own settlement counts beyond the estimate settled before."""
-        state = self._tenants.setdefault(s.tenant_id, _Tenant())
-        window = now // WINDOW_MS
-        state.tokens[window] = state.tokens.get(window, 0) + s.tokens - estimate[0]
-        month = month_of(now)
-        state.spend[month] = state.spend.get(month, 0) + s.cost_micros - estimate[1]
 
     def _purge(self, state: _Tenant, now: int) -> None:
         for member, entry in list(state.inflight.items()):

@@ -127,21 +127,17 @@ local tokens, cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local month, dedupe_ms = ARGV[5], tonumber(ARGV[6])
 local estimated = ARGV[7] == '1'
 local marker = base .. ':settled:' .. member
-local skey = base .. ':spend:' .. month
 local prev = redis.call('GET', marker)
 if prev then
-  -- settled before: only an attempt's own record after an estimate counts, by its excess
+  -- settled before: only an attempt's own record after an estimate counts, and settles
+  -- what it counts beyond the estimate (whose settlement already ended the reservation)
   local et, ec = string.match(prev, '^E:(%d+):(%d+)$')
   if estimated or not et then return 0 end
   redis.call('SET', marker, '1', 'KEEPTTL')
-  local tkey = base .. ':tpm:' .. math.floor(now / W)
-  redis.call('INCRBY', tkey, tokens - tonumber(et))
-  redis.call('PEXPIRE', tkey, 2 * W)
-  redis.call('INCRBY', skey, cost - tonumber(ec))
-  redis.call('EXPIRE', skey, 40 * 86400)
-  return 1
+  tokens, cost = tokens - tonumber(et), cost - tonumber(ec)
+else
+  redis.call('SET', marker, estimated and ('E:' .. tokens .. ':' .. cost) or '1', 'PX', dedupe_ms)
 end
-redis.call('SET', marker, estimated and ('E:' .. tokens .. ':' .. cost) or '1', 'PX', dedupe_ms)
 local e = redis.call('HGET', inflight, member)
 if e then
   local t, w, c = string.match(e, '^(%d+):(%d+):(%d+)$')
@@ -155,6 +151,7 @@ else
   redis.call('INCRBY', tkey, tokens)
   redis.call('PEXPIRE', tkey, 2 * W)
 end
+local skey = base .. ':spend:' .. month
 redis.call('INCRBY', skey, cost)
 redis.call('EXPIRE', skey, 40 * 86400)
 return 1
