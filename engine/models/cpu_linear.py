@@ -89,11 +89,6 @@ class PackedLinear(nn.Module):
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
             self.small_bias = None if self.bias is None else self.bias.float()
 
-    @property
-    def shape_key(self) -> tuple[int, int, torch.dtype, bool]:
-        """Projections with the same key share oneDNN primitives and a `RowPlan`."""
-        return (self.in_features, self.out_features, self.packed.dtype, self.bias is None)
-
     def use(self, plan: RowPlan) -> None:
         """Serve the buckets in `plan.plain` with `F.linear`; without any, drop the plain
         weight (it would only cost memory)."""
@@ -143,8 +138,10 @@ def tune_row_buckets(linear: PackedLinear, max_rows: int, deadline: float) -> tu
     first, until `deadline` (`time.perf_counter()`), so serving does not build them (see
     `row_bucket`); up to `TUNE_MAX_ROWS`, also time the prepacked call against `F.linear`
     and plan `F.linear` where it was faster. Returns the plan and the buckets warmed.
-    Without the plain weight (already planned) it only warms."""
-    buckets = sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+    Without the plain weight (already planned) it only warms. Rows the bf16 kernel serves
+    (`small_weight`, up to `kernels.MAX_ROWS`) are skipped."""
+    first = kernels.MAX_ROWS + 1 if linear.small_weight is not None else 1
+    buckets = sorted({row_bucket(m) for m in range(first, max_rows + 1)})
     plain: set[int] = set()
     weight, bias = linear.weight, linear.bias
     warmed = 0
@@ -222,22 +219,23 @@ def pack_linears(
         for name in names
         if type(child := getattr(module, name, None)) is nn.Linear
     ]
-    shapes = {(c.in_features, c.out_features, c.weight.dtype, c.bias is None) for *_, c in children}
-    share_s = budget_s / max(1, len(shapes))
+    # projections of one shape share oneDNN primitives and a plan
+    keys = [(c.in_features, c.out_features, c.weight.dtype, c.bias is None) for *_, c in children]
+    share_s = budget_s / max(1, len(set(keys)))
     plans: dict[tuple[int, int, torch.dtype, bool], RowPlan] = {}
     count = warmed = 0
     with torch.inference_mode(False), torch.no_grad(), huge_pages_for_new_memory():
-        for module, name, child in children:
+        for (module, name, child), key in zip(children, keys, strict=True):
             try:
                 packed = PackedLinear(child, small_dtype=small_dtype)
             except RuntimeError as e:  # unsupported shape/dtype on this build
                 logger.warning("oneDNN prepack failed for %s: %s", name, e)
                 return count
-            plan = plans.get(packed.shape_key)
+            plan = plans.get(key)
             if plan is None:
                 deadline = time.perf_counter() + share_s
                 plan, n = tune_row_buckets(packed, max_rows, deadline)
-                plans[packed.shape_key] = plan
+                plans[key] = plan
                 warmed += n
             packed.use(plan)
             setattr(module, name, packed)
