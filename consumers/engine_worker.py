@@ -86,14 +86,14 @@ class EngineWorkerConfig:
     # (measured on tiny-llama: submit -> first delta 8.2 ms in the worker vs 3.5 ms
     # direct). None leaves the interpreter's setting alone.
     gil_switch_interval_s: float | None = 0.0005
-    # The engine thread's nice value (`TorchEngineBackend.thread_nice`, when the engine
-    # has one thread): a busy engine then yields its core whenever the threads that move
-    # requests and tokens (this loop, the Kafka clients, a broker or gateway on the same
-    # machine) can run, and takes every cycle they leave. `bench serving`'s priority run
-    # on the 2-core VM, three alternating pairs: interactive TTFT beside a batch backlog
-    # p50 15.6, 13.9, 16.2 ms and p99 25.3, 20.9, 31.4 ms at 10 against p50 18.0, 14.9,
-    # 18.4 and p99 30.3, 28.2, 31.8 at 0; batch tokens/s in the window 1,394, 1,573, 1,238
-    # against 1,253, 1,556, 1,229. None leaves the engine thread alone.
+    # The engine thread's nice value (`TorchEngineBackend.thread_nice`, applied when the
+    # engine has one torch thread): a busy engine then yields its core whenever the
+    # threads that move requests and tokens (this loop, the Kafka clients, a broker or
+    # gateway on the same machine) can run, and takes every cycle they leave. `bench
+    # serving`'s priority run on the 2-core VM, three alternating pairs: interactive TTFT
+    # beside a batch backlog p50 15.6, 13.9, 16.2 ms and p99 25.3, 20.9, 31.4 ms at 10
+    # against p50 18.0, 14.9, 18.4 and p99 30.3, 28.2, 31.8 at 0; batch tokens/s in the
+    # window 1,394, 1,573, 1,238 against 1,253, 1,556, 1,229. None leaves it alone.
     engine_thread_nice: int | None = 10
     tick_s: float = 0.05
     # Mid-stream deltas of one reply target go out at most this often (first tokens and
@@ -214,7 +214,7 @@ class EngineWorker:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        if hasattr(self.backend, "thread_nice") and _one_torch_thread():
+        if hasattr(self.backend, "thread_nice"):
             self.backend.thread_nice = self.config.engine_thread_nice
         self.backend.start()
         await self._on_kafka(self._poller.open)
@@ -351,10 +351,3 @@ class EngineWorker:
         loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(self._flow.on_assignment, partitions)
-
-
-def _one_torch_thread() -> bool:
-    """Whether torch computes on the calling thread alone (no helpers at another nice)."""
-    import torch
-
-    return bool(torch.get_num_threads() == 1)

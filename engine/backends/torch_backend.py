@@ -70,9 +70,10 @@ class TorchEngineBackend:
         # Steps giving first tokens are a small share of all steps: ~0.2 ms per prefill.
         self.first_token_yield_s = 0.0002
         # The engine thread's nice value (Linux, where a thread has its own), set as it
-        # starts; None leaves it as started. The engine worker sets it (see
-        # `EngineWorkerConfig.engine_thread_nice`); only with one torch thread, since
-        # torch's helper threads keep the priority of the thread that created them.
+        # starts when torch computes on that thread alone: torch's helper threads keep
+        # the priority of the thread that created them, and a niced thread would leave
+        # them waiting. None leaves it as started. The engine worker sets it (see
+        # `EngineWorkerConfig.engine_thread_nice`).
         self.thread_nice: int | None = None
 
     @classmethod
@@ -279,9 +280,12 @@ def _terminal_delta(
 
 
 def _renice_this_thread(nice: int) -> None:
-    """Give the calling thread `nice` (Linux: a thread id is a process id to setpriority);
-    elsewhere, or where it is refused, the thread keeps its priority."""
-    if not hasattr(os, "setpriority"):
+    """Give the calling thread `nice` (Linux: a thread id is a process id to setpriority)
+    when torch has no helper threads; elsewhere, or where it is refused, the thread keeps
+    its priority."""
+    import torch
+
+    if not hasattr(os, "setpriority") or torch.get_num_threads() != 1:
         return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import torch
 
 from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, RequestRejectedError
 from engine.backends.torch_backend import TorchEngineBackend
@@ -220,9 +221,14 @@ def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own()
         assert backend.thread_nice is None  # by default the thread keeps its priority
         backend.thread_nice = 7  # as the engine worker sets it (EngineWorkerConfig)
         caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        backend.start()
-        backend.submit(EngineRequest("a", PROMPT, greedy(2)))
-        await collect(backend, {"a"})
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # applied only without torch helper threads
+        try:
+            backend.start()
+            backend.submit(EngineRequest("a", PROMPT, greedy(2)))
+            await collect(backend, {"a"})
+        finally:
+            torch.set_num_threads(threads)
         thread = backend._thread
         assert thread is not None and thread.native_id is not None
         # nice values only go up without privileges: the engine's is at least what it asked
