@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from benchmarks.stats import ratio
 from bus.kafka import KafkaEventBus
 from bus.tansu import TansuBroker
 from bus.topics import TopicLayout
+from engine.cpus import CpuLayout, pin_process, plan_layout
 
 TARGETS = {
     "throughput_ratio_min": 0.90,
@@ -66,15 +68,20 @@ def _kept_up(row: dict[str, Any], arrivals_s: float) -> bool:
     return bool(direct["tokens_per_s"] >= 0.9 * offered)
 
 
+SWEEP_TENANTS = 8  # the sweep's requests spread over the lane's partitions, as many tenants do
+
+
 async def _sweep_point(
     direct: runs.DirectClient,
-    pipeline: runs.PipelineClient,
+    gateway: Callable[[], AbstractAsyncContextManager[runs.PipelineClient]],
     rate: float,
     n: int,
     num_rounds: int,
     seed: int,
 ) -> dict[str, Any]:
-    specs = runs.workload("sw", n, (16, 128), (16, 96), seed)
+    """Both arms, round after round; the pipeline through a fresh `gateway()` each round
+    (see `_gateway`)."""
+    specs = runs.workload("sw", n, (16, 128), (16, 96), seed, tenants=SWEEP_TENANTS)
     offsets = runs.poisson_offsets(n, rate, seed)
     row: dict[str, Any] = {"rate_per_s": rate, "requests": n, "rounds": num_rounds}
     traces: dict[str, list[list[runs.Trace]]] = {"direct": [], "pipeline": []}
@@ -83,9 +90,13 @@ async def _sweep_point(
         part, times = specs[start : start + size], offsets[start : start + size]
         times = [t - times[0] for t in times]
         arrivals_s += times[-1]
-        for name, client in (("direct", direct), ("pipeline", pipeline)):
-            fresh = [runs.Spec(f"{name}-{s.request_id}", s.prompt, s.max_tokens) for s in part]
-            traces[name].append(await runs.open_loop(client, fresh, times))
+        for name in ("direct", "pipeline"):
+            fresh = [dataclasses.replace(s, request_id=f"{name}-{s.request_id}") for s in part]
+            if name == "direct":
+                traces[name].append(await runs.open_loop(direct, fresh, times))
+            else:
+                async with gateway() as pipeline:
+                    traces[name].append(await runs.open_loop(pipeline, fresh, times))
             await asyncio.sleep(0.5)
     row["direct"] = runs.summarize_rounds(traces["direct"])
     row["pipeline"] = runs.summarize_rounds(traces["pipeline"])
@@ -106,14 +117,19 @@ async def _warm_up(client: runs.Client) -> None:
 
 @contextlib.asynccontextmanager
 async def _gateway(bus: KafkaEventBus) -> AsyncIterator[runs.PipelineClient]:
-    """A gateway with a reply topic of its own, for one phase of the run.
+    """A gateway with a reply topic of its own, for one round or phase of the run.
 
-    Tansu 0.6's in-memory storage slows down as a partition grows: a produce → fetch
-    round trip on one partition measured p50 2.4 ms empty, 6.8 ms after 20,000 messages,
-    430 ms after 50,000 (retention settings do not trim it; DeleteRecords fails). A
-    gateway's reply topic has one partition and takes up to ~100 messages/s here, so one
-    gateway for the whole run made each phase slower than the one before, and the bus
-    round trip (fresh topics) no fair peer. Each phase gets a fresh gateway instead.
+    Tansu 0.6's in-memory storage slows down as a partition that is read and written
+    grows (retention settings do not trim it; DeleteRecords fails). The bus round trip
+    at 50 messages/s on one partition each way, over the messages sent so far: p50/p99
+    7/14 ms for the first 1,000, 12/21 for the next, 16/109, then 66/550 ms, while the
+    broker's CPU went from 0.3 to 1.2 cores; over 8 partitions 7/12 then 9/18 ms after
+    4,000. A gateway's reply topic has one partition and takes up to ~120 messages/s at
+    10 req/s, so one gateway per sweep point made each round slower than the one before
+    (TTFT p50 29, 36, 47, 106 ms over four rounds), and the bus round trip (fresh topics,
+    220 messages) no fair peer. Each round and phase gets a fresh gateway instead, and
+    the sweep's requests come from several tenants, which spreads them over the lane's
+    partitions. (On Apache Kafka a fetch costs the same whatever the partition holds.)
     """
     pipeline = runs.PipelineClient(bus)
     await pipeline.start()
@@ -124,18 +140,23 @@ async def _gateway(bus: KafkaEventBus) -> AsyncIterator[runs.PipelineClient]:
         await pipeline.close()
 
 
-async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, Any]:
+async def _run_async(
+    quick: bool, bootstrap: str, data_dir: str, layout: CpuLayout | None
+) -> dict[str, Any]:
     from engine.backends.torch_backend import TorchEngineBackend
     from sluice.wiring import freeze_heap
 
     procs.set_threads(procs.worker_threads())
-    worker = procs.start_worker(bootstrap, data_dir, f"bench-engine-{uuid.uuid4().hex[:8]}")
+    engine_cpus = layout.engine if layout else None
+    group_id = f"bench-engine-{uuid.uuid4().hex[:8]}"
+    worker = procs.start_worker(bootstrap, data_dir, group_id, engine_cpus)
     bus = KafkaEventBus(procs.kafka_config(bootstrap, "sluice-bench-gateway"))
     direct: runs.DirectClient | None = None
     try:
         backend = TorchEngineBackend.from_model(
             "tiny-llama", config=procs.engine_config(), data_dir=data_dir
         )
+        backend.thread_cpus = engine_cpus  # the same cores as the worker's engine
         direct = runs.DirectClient(backend)
         await direct.start()
         await asyncio.to_thread(worker.wait_ready, 120.0)
@@ -151,8 +172,7 @@ async def _run_async(quick: bool, bootstrap: str, data_dir: str) -> dict[str, An
         )
         result["sweep"] = []
         for i, (rate, n, rounds) in enumerate(_sweep_plan(quick)):
-            async with _gateway(bus) as pipeline:
-                row = await _sweep_point(direct, pipeline, rate, n, rounds, seed=100 + i)
+            row = await _sweep_point(direct, lambda: _gateway(bus), rate, n, rounds, 100 + i)
             result["sweep"].append(row)
         capacity = max(row["direct"]["tokens_per_s"] for row in result["sweep"])
         result["priority"] = priority = await runs.priority_run(
@@ -214,21 +234,34 @@ def _checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run(
-    quick: bool = False, kafka_bootstrap: str | None = None, data_dir: Any = None
+    quick: bool = False,
+    kafka_bootstrap: str | None = None,
+    data_dir: Any = None,
+    engine_cpus: str | None = "auto",
 ) -> dict[str, Any]:
-    """The whole benchmark; starts a Tansu when no bootstrap is given."""
+    """The whole benchmark; starts a Tansu when no bootstrap is given.
+
+    `engine_cpus` (`engine.cpus.plan_layout`): both arms' engine threads run on those
+    cores, and everything else of the run (this process, the worker's other threads, the
+    echo, a Tansu started here) on the others: each arm's engine owns its cores, as a
+    worker started with SLUICE_ENGINE_CPUS does. None: nothing pinned.
+    """
     from engine.loader import default_data_dir
 
     data_dir = str(data_dir or default_data_dir())
     started = time.perf_counter()
+    layout = plan_layout(engine_cpus, procs.worker_threads())
+    if layout is not None:
+        pin_process(layout.rest)  # before the broker and the worker start: they inherit it
     with ExitStack() as stack:
         broker = "tansu (started for this run)"
         if kafka_bootstrap is None:
             kafka_bootstrap = stack.enter_context(TansuBroker()).bootstrap
         else:
             broker = kafka_bootstrap
-        result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir))
+        result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir, layout))
     result["kafka_broker"] = broker
+    result["cpu_layout"] = layout.describe() if layout else "not pinned"
     result["model"] = "tiny-llama"
     threads = procs.worker_threads()
     result["torch_threads"] = {"direct": threads, "worker": threads}
@@ -246,7 +279,7 @@ def render(result: dict[str, Any]) -> str:
     threads = result["torch_threads"]
     lines = [
         f"model {result['model']}, broker {result['kafka_broker']}, torch threads direct "
-        f"{threads['direct']} / worker {threads['worker']}",
+        f"{threads['direct']} / worker {threads['worker']}, {result['cpu_layout']}",
         head,
     ]
     for row in result["sweep"]:
@@ -298,9 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rates, fewer requests (~3 min)")
     parser.add_argument("--kafka", default=None, help="Kafka bootstrap; default: start a Tansu")
     parser.add_argument("--data-dir", default=None, type=Path, help="where tiny-llama lives")
+    parser.add_argument(
+        "--engine-cpus",
+        default="auto",
+        help="cores of both arms' engine threads, the rest of the run on the others: 'auto'"
+        " (the last torch-threads cores), a list such as '1-3', or 'none' (no pinning)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick, kafka_bootstrap=args.kafka, data_dir=args.data_dir)
+    result = run(
+        quick=args.quick,
+        kafka_bootstrap=args.kafka,
+        data_dir=args.data_dir,
+        engine_cpus=None if args.engine_cpus == "none" else args.engine_cpus,
+    )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

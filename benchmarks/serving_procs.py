@@ -62,7 +62,12 @@ def set_threads(num_threads: int) -> None:
 
 
 def _worker_main(
-    bootstrap: str, data_dir: str, group_id: str, ready: MpEvent, stop: MpEvent
+    bootstrap: str,
+    data_dir: str,
+    group_id: str,
+    engine_cpus: frozenset[int] | None,
+    ready: MpEvent,
+    stop: MpEvent,
 ) -> None:
     from sluice.wiring import freeze_heap
 
@@ -74,6 +79,7 @@ def _worker_main(
     bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-worker"))
     bus.create_topics(TopicLayout().specs())
     backend = TorchEngineBackend.from_model("tiny-llama", config=engine_config(), data_dir=data_dir)
+    backend.thread_cpus = engine_cpus  # this process started on the other cores
     worker = EngineWorker(
         bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
     )
@@ -135,8 +141,10 @@ def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
     return Child(process, ready, stop)
 
 
-def start_worker(bootstrap: str, data_dir: str, group_id: str) -> Child:
-    return spawn("sluice-bench-worker", _worker_main, bootstrap, data_dir, group_id)
+def start_worker(
+    bootstrap: str, data_dir: str, group_id: str, engine_cpus: frozenset[int] | None
+) -> Child:
+    return spawn("sluice-bench-worker", _worker_main, bootstrap, data_dir, group_id, engine_cpus)
 
 
 def bus_round_trip(bootstrap: str, count: int, rate_per_s: float) -> dict[str, Any]:

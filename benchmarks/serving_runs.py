@@ -202,8 +202,10 @@ def workload(
     *,
     tenant: str = "bench",
     lane: Lane = Lane.STANDARD,
+    tenants: int = 1,
 ) -> list[Spec]:
-    """n requests, lengths uniform in the ranges; request ids unique per call."""
+    """n requests, lengths uniform in the ranges; request ids unique per call; with
+    `tenants` > 1 the requests take turns among `tenant-0` … (keyed to several partitions)."""
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:6]
     return [
@@ -211,7 +213,7 @@ def workload(
             f"{tag}-{run}-{i}",
             [rng.randrange(*VOCAB) for _ in range(rng.randint(*prompt_len))],
             rng.randint(*max_tokens),
-            tenant,
+            f"{tenant}-{i % tenants}" if tenants > 1 else tenant,
             lane,
         )
         for i in range(n)

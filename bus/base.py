@@ -127,6 +127,12 @@ class EventBus(Protocol):
         offset_reset: OffsetReset = "earliest",
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
-    ) -> Consumer: ...
+        max_wait_ms: int | None = None,
+    ) -> Consumer:
+        """A group member over `topics`. `max_wait_ms`: how long the broker may hold a
+        fetch that finds nothing, which bounds what polling adds to a message's latency
+        (each fetch costs the broker; see `KafkaConfig.fetch_max_wait_ms`); None: the
+        bus's default. A bus that pushes (the memory bus) ignores it."""
+        ...
 
     def close(self) -> None: ...

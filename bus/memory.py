@@ -115,6 +115,7 @@ class MemoryEventBus:
         offset_reset: OffsetReset = "earliest",
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
+        max_wait_ms: int | None = None,
     ) -> MemoryConsumer:
         with self._cond:
             for topic in topics:

@@ -50,12 +50,14 @@ class LanePoller:
         control_group_id: str,
         on_assignment: AssignmentCallback,
         commit_snapshot: Callable[[], Mapping[TopicPartition, int]],
+        control_max_wait_ms: int | None = None,
     ) -> None:
         self.bus = bus
         self.group_id = group_id
         self.topics = list(topics)
         self.control_group_id = control_group_id
         self._on_assignment = on_assignment
+        self._control_max_wait_ms = control_max_wait_ms
         self._commit_snapshot = commit_snapshot
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
@@ -64,7 +66,10 @@ class LanePoller:
 
     def open(self) -> None:
         self._control = self.bus.consumer(
-            self.control_group_id, [CONTROL_TOPIC], offset_reset="latest"
+            self.control_group_id,
+            [CONTROL_TOPIC],
+            offset_reset="latest",
+            max_wait_ms=self._control_max_wait_ms,
         )
         self._join_control()
         self._consumer = self.bus.consumer(

@@ -141,6 +141,13 @@ def bench_serving(
     as_json: JsonFlag = False,
     quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 3 min).")] = False,
     kafka: KafkaOption = None,
+    engine_cpus: Annotated[
+        str,
+        typer.Option(
+            help="Cores of both arms' engine threads, the rest of the run on the others:"
+            " 'auto' (the last torch-threads cores), a list such as '1-3', or 'none'."
+        ),
+    ] = "auto",
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
 
@@ -154,6 +161,7 @@ def bench_serving(
         quick=quick,
         kafka_bootstrap=kafka or settings.kafka_bootstrap,
         data_dir=str(settings.data_dir),
+        engine_cpus=None if engine_cpus == "none" else engine_cpus,
     )
     emit(result, render, as_json)
 

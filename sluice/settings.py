@@ -112,6 +112,13 @@ class ModelSettings(_Base):
         description="intra-op threads of the engine; unset: on CPU all cores but one (a"
         " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
     )
+    engine_cpus: str | None = Field(
+        default=None,
+        pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="cores of the engine's threads, everything else of the process kept off"
+        " them: 'auto' (the last torch_threads cores; one engine process per host) or a"
+        " list such as '1-3'; unset: no pinning",
+    )
 
     @property
     def model_name(self) -> str:

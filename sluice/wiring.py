@@ -29,6 +29,7 @@ from consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from consumers.loop import ConsumeLoop
 from consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
 from consumers.quotas import quotas_loop
+from engine.cpus import pin_process, plan_layout
 from sluice.settings import EngineWorkerSettings, GatewaySettings, ModelSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -153,9 +154,17 @@ def build_backend(settings: Settings) -> Any:
         # only this policy honours them, and preempts batch work for interactive
         scheduling_policy="priority",
     )
-    return TorchEngineBackend.from_model(
+    backend = TorchEngineBackend.from_model(
         path, config=config, data_dir=settings.data_dir, quantization=settings.quantization
     )
+    layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
+    if layout is not None:
+        # this process's threads now (the bus clients', the gateway's) and those they
+        # start go to the other cores; the engine thread moves to its own as it starts
+        pin_process(layout.rest)
+        backend.thread_cpus = layout.engine
+        logger.info("%s", layout.describe())
+    return backend
 
 
 def progress_store(settings: Settings) -> ProgressStore:

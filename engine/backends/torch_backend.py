@@ -33,6 +33,7 @@ from engine.backends.base import (
     RequestRejectedError,
 )
 from engine.config import EngineConfig
+from engine.cpus import pin_this_thread
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class TorchEngineBackend:
         # them waiting. None leaves it as started. The engine worker sets it (see
         # `EngineWorkerConfig.engine_thread_nice`).
         self.thread_nice: int | None = None
+        # The cores the engine thread (and torch's threads it starts) runs on; None
+        # leaves it where it started. See `engine.cpus`; the composition root sets it.
+        self.thread_cpus: frozenset[int] | None = None
 
     @classmethod
     def from_model(
@@ -203,6 +207,8 @@ class TorchEngineBackend:
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
         core = self.core
+        if self.thread_cpus:
+            pin_this_thread(self.thread_cpus)
         if self.thread_nice is not None:
             _renice_this_thread(self.thread_nice)
         try:

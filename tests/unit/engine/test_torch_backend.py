@@ -237,3 +237,23 @@ def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own()
         backend.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no cpu affinity here")
+def test_the_engine_thread_runs_on_its_cores_and_the_caller_keeps_its_own() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        assert backend.thread_cpus is None  # by default it runs wherever it started
+        caller = os.sched_getaffinity(0)
+        mine = frozenset([min(caller)])
+        backend.thread_cpus = mine  # as the composition root sets it (SLUICE_ENGINE_CPUS)
+        backend.start()
+        backend.submit(EngineRequest("a", PROMPT, greedy(2)))
+        await collect(backend, {"a"})
+        thread = backend._thread
+        assert thread is not None and thread.native_id is not None
+        assert os.sched_getaffinity(thread.native_id) == mine
+        assert os.sched_getaffinity(0) == caller
+        backend.shutdown()
+
+    asyncio.run(main())

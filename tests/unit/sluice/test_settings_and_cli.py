@@ -96,3 +96,15 @@ def test_torch_threads_leave_a_core_on_cpu_unless_set(monkeypatch: pytest.Monkey
     assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 1
     monkeypatch.setenv("SLUICE_TORCH_THREADS", "2")
     assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 2
+
+
+def test_engine_cpus_take_auto_or_a_cpu_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sluice.settings import ModelSettings
+
+    assert load_settings(ModelSettings).engine_cpus is None
+    for good in ("auto", "1-3", "0,2-3"):
+        monkeypatch.setenv("SLUICE_ENGINE_CPUS", good)
+        assert load_settings(ModelSettings).engine_cpus == good
+    monkeypatch.setenv("SLUICE_ENGINE_CPUS", "cores 1 to 3")
+    with pytest.raises(SettingsError, match="SLUICE_ENGINE_CPUS"):
+        load_settings(ModelSettings)
