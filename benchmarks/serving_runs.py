@@ -342,6 +342,11 @@ async def priority_run(
 
     async with gateway() as client:
         alone = await open_loop(client, interactive(11), fixed_offsets(n_i, rate_i))
+    # one gateway for the backlog and the interactive requests: with a second one for the
+    # backlog (its reply topic then short), the broker answered a second reply consumer's
+    # fetches on the cores the hops run on, and the worker sent two messages per interval
+    # instead of one: the loaded half's gateway → engine hop p50/p99 11-12 / 26-39 ms in
+    # two runs, against 8-9 / 17-21 ms in four runs with one gateway
     async with gateway() as client:
         out = await _priority_loaded(client, n_i, rate_i, n_b, interactive, summarize(alone))
     out["first_token_ms"] = {"unloaded": first_token_ms(alone), **out["first_token_ms"]}

@@ -133,6 +133,45 @@ def build_step(
     return out
 
 
+def merge_deltas(deltas: list[TokenDelta]) -> list[TokenDelta]:
+    """The deltas of one message, one per request attempt: a request's deltas held over
+    several steps (`consumers.engine_publisher`) become one, its tokens, text and
+    logprobs in order, at the first one's offsets, with the last one's seq_no and ending.
+
+    The gateway takes a delta only above the last seq_no it took, and cuts what precedes
+    the tokens it has by the offsets, so one merged delta reads as its parts would. Fewer,
+    larger deltas cost the encoder and every reader less, and each delivery of a request
+    is one event: with the parts, the bench measured gaps of 0 ms between a message's
+    deltas as inter-token latency.
+    """
+    groups: dict[tuple[str, int], list[TokenDelta]] = {}
+    for delta in deltas:
+        groups.setdefault((delta.request_id, delta.attempt), []).append(delta)
+    if len(groups) == len(deltas):
+        return deltas
+    return [parts[0] if len(parts) == 1 else _merge(parts) for parts in groups.values()]
+
+
+def _merge(parts: list[TokenDelta]) -> TokenDelta:
+    first, last = parts[0], parts[-1]
+    logprobs = None
+    if any(p.logprobs is not None for p in parts):
+        logprobs = [lp for p in parts for lp in p.logprobs or ()]
+    return TokenDelta.model_construct(  # parts built by this worker: see _token_delta
+        request_id=first.request_id,
+        attempt=first.attempt,
+        seq_no=last.seq_no,
+        token_offset=first.token_offset,
+        text_offset=first.text_offset,
+        token_ids=[t for p in parts for t in p.token_ids],
+        text="".join(p.text for p in parts),
+        logprobs=logprobs,
+        finish_reason=last.finish_reason,
+        error=last.error,
+        usage=last.usage,
+    )
+
+
 def _advance(item: WorkItem, delta: EngineDelta) -> None:
     if delta.token_ids and item.first_token_ms is None:
         item.first_token_ms = now_ms()

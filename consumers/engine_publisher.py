@@ -32,7 +32,7 @@ from bus.base import Delivered, EventBus
 from bus.codec import encode
 from bus.messages import TokenDelta, TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
-from consumers.engine_outputs import WorkItem, build_step
+from consumers.engine_outputs import WorkItem, build_step, merge_deltas
 from consumers.progress import ProgressStore, StepProgress
 from consumers.progress import call as progress_call
 from engine.backends.base import EngineDelta
@@ -142,7 +142,7 @@ class StepPublisher:
 
     def _release(self, target: str, step: _Step) -> None:
         held = self._held.pop(target)
-        batch = TokenDeltaBatch(reply_to=target, deltas=held.deltas)
+        batch = TokenDeltaBatch(reply_to=target, deltas=merge_deltas(held.deltas))
         step.sends.append(self._send(reply_topic(target), encode(batch), target))
         step.progress += held.progress
 

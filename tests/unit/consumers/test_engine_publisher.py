@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from bus.base import TopicPartition
-from bus.codec import decode_as
+from bus.codec import decode_as, encode
 from bus.memory import MemoryEventBus
 from bus.messages import TokenDeltaBatch
 from bus.topics import reply_topic
@@ -82,7 +82,7 @@ def test_mid_stream_deltas_wait_for_the_interval_first_and_last_go_at_once() -> 
     messages, store, finished = asyncio.run(_scenario(0.1))
     assert messages == [
         [[1], [11]],  # first tokens: at once
-        [[2], [12], [3], [13], [4], [14]],  # three steps held, sent by the timer
+        [[2, 3, 4], [12, 13, 14]],  # three steps held, sent by the timer, one delta each
         [[5]],  # the terminal delta: at once
     ]
     assert store.recorded == [1, 11, 2, 12, 3, 13, 4, 14, 5]
@@ -105,3 +105,49 @@ def test_an_interval_of_zero_sends_every_step() -> None:
         return len(replies.poll(0.0))
 
     assert asyncio.run(run()) == 4
+
+
+def test_a_requests_held_deltas_go_out_as_one_with_the_last_seq_no_and_ending() -> None:
+    from bus.messages import TokenDelta, TokenLogprob, Usage
+    from consumers.engine_outputs import merge_deltas
+
+    def delta(rid: str, seq: int, tokens: list[int], **kw: object) -> TokenDelta:
+        start = 10 + 2 * seq
+        return TokenDelta(
+            request_id=rid,
+            attempt=1,
+            seq_no=seq,
+            token_offset=start,
+            text_offset=start,
+            token_ids=tokens,
+            text="".join(chr(96 + t) for t in tokens),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def lp(t: int) -> list[TokenLogprob]:
+        return [TokenLogprob(token_id=t, logprob=-0.5)]
+
+    usage = Usage(prompt_tokens=3, completion_tokens=16)
+    held = [
+        delta("a", 3, [1, 2], logprobs=lp(1) + lp(2)),
+        delta("b", 7, [5, 6]),
+        delta("a", 4, [3, 4], logprobs=lp(3) + lp(4)),
+        delta("b", 8, [], finish_reason="stop", usage=usage),
+    ]
+    a, b = merge_deltas(held)
+    assert (a.request_id, a.seq_no, a.token_offset, a.text_offset) == ("a", 4, 16, 16)
+    assert (a.token_ids, a.text, a.finish_reason) == ([1, 2, 3, 4], "abcd", None)
+    assert [x.token_id for x in a.logprobs or []] == [1, 2, 3, 4]
+    assert (b.request_id, b.seq_no, b.token_offset, b.token_ids, b.text) == (
+        "b",
+        8,
+        24,
+        [5, 6],
+        "ef",
+    )
+    assert (b.finish_reason, b.usage, b.logprobs) == ("stop", usage, None)
+    # it encodes and decodes like any batch; one delta per request is left as it was
+    batch = decode_as(TokenDeltaBatch, encode(TokenDeltaBatch(reply_to="g", deltas=[a, b])))
+    assert batch.deltas == [a, b]
+    single = held[:2]
+    assert merge_deltas(single) is single

@@ -35,7 +35,9 @@ def test_one_message_per_step_per_reply_target_and_commits_reach_the_end() -> No
     client.wait_finished([r.request_id for r in requests])
     worker.stop()
     deltas = sum(len(s.deltas) for s in client.view.streams.values())
-    assert deltas == 8 * 10  # the terminal delta rides with the last token
+    # at most one delta per token (the terminal delta rides with the last token); fewer
+    # where a request's deltas of several steps were held for one message and merged
+    assert 8 <= deltas <= 8 * 10
     assert client.view.num_batches <= 12  # ~one per step (10 steps), not one per token
     for r in requests:
         assert client.view.streams[r.request_id].token_ids == greedy_tokens(r.prompt_token_ids, 10)
