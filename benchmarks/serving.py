@@ -246,7 +246,7 @@ def run(
     `engine_cpus` (`engine.cpus.plan_layout`): both arms' engine threads run on those
     cores, and everything else of the run (this process, the worker's other threads, the
     echo, a Tansu started here) on the others: each arm's engine owns its cores, as a
-    worker started with SLUICE_ENGINE_CPUS does. None: nothing pinned.
+    worker started with SLUICE_ENGINE_CPUS does. None or 'none': nothing pinned.
     """
     from engine.loader import default_data_dir
 
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         kafka_bootstrap=args.kafka,
         data_dir=args.data_dir,
-        engine_cpus=None if args.engine_cpus == "none" else args.engine_cpus,
+        engine_cpus=args.engine_cpus,
     )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -57,10 +57,10 @@ def available_cpus() -> frozenset[int]:
 
 
 def plan_layout(spec: str | None, engine_threads: int) -> CpuLayout | None:
-    """`spec`: None (no pinning), 'auto' (the last `engine_threads` of this process's
-    cores for the engine) or a cpu list. None also where it would leave nothing else a
-    core, or on a system without affinity."""
-    if spec is None or not hasattr(os, "sched_setaffinity"):
+    """`spec`: None or 'none' (no pinning), 'auto' (the last `engine_threads` of this
+    process's cores for the engine) or a cpu list. None also where it would leave nothing
+    else a core, or on a system without affinity."""
+    if spec is None or spec == "none" or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = available_cpus()
     if spec == "auto":

@@ -161,7 +161,7 @@ def bench_serving(
         quick=quick,
         kafka_bootstrap=kafka or settings.kafka_bootstrap,
         data_dir=str(settings.data_dir),
-        engine_cpus=None if engine_cpus == "none" else engine_cpus,
+        engine_cpus=engine_cpus,
     )
     emit(result, render, as_json)
 

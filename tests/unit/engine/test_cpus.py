@@ -26,6 +26,7 @@ def test_a_layout_gives_the_engine_its_cores_and_leaves_the_rest_at_least_one(
 ) -> None:
     monkeypatch.setattr(cpus, "available_cpus", lambda: frozenset(range(4)))
     assert plan_layout(None, 3) is None
+    assert plan_layout("none", 3) is None
     assert plan_layout("auto", 3) == CpuLayout(frozenset({1, 2, 3}), frozenset({0}))
     assert plan_layout("auto", 1) == CpuLayout(frozenset({3}), frozenset({0, 1, 2}))
     assert plan_layout("0,2", 2) == CpuLayout(frozenset({0, 2}), frozenset({1, 3}))

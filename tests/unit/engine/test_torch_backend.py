@@ -214,46 +214,47 @@ def test_submit_does_not_wait_for_the_engine() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice here")
-def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own() -> None:
-    async def main() -> None:
-        backend = make_backend()
-        assert backend.thread_nice is None  # by default the thread keeps its priority
-        backend.thread_nice = 7  # as the engine worker sets it (EngineWorkerConfig)
-        caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # applied only without torch helper threads
-        try:
-            backend.start()
-            backend.submit(EngineRequest("a", PROMPT, greedy(2)))
-            await collect(backend, {"a"})
-        finally:
-            torch.set_num_threads(threads)
-        thread = backend._thread
-        assert thread is not None and thread.native_id is not None
-        # nice values only go up without privileges: the engine's is at least what it asked
-        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) >= 7
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
-        backend.shutdown()
+def _probe_engine_thread(backend: TorchEngineBackend, probe: Callable[[int], Any]) -> Any:
+    """Start the engine, run one request through it, and return `probe(native id of the
+    engine thread)`, taken before the backend shuts down."""
 
-    asyncio.run(main())
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no cpu affinity here")
-def test_the_engine_thread_runs_on_its_cores_and_the_caller_keeps_its_own() -> None:
-    async def main() -> None:
-        backend = make_backend()
-        assert backend.thread_cpus is None  # by default it runs wherever it started
-        caller = os.sched_getaffinity(0)
-        mine = frozenset([min(caller)])
-        backend.thread_cpus = mine  # as the composition root sets it (SLUICE_ENGINE_CPUS)
+    async def main() -> Any:
         backend.start()
         backend.submit(EngineRequest("a", PROMPT, greedy(2)))
         await collect(backend, {"a"})
         thread = backend._thread
         assert thread is not None and thread.native_id is not None
-        assert os.sched_getaffinity(thread.native_id) == mine
-        assert os.sched_getaffinity(0) == caller
-        backend.shutdown()
+        try:
+            return probe(thread.native_id)
+        finally:
+            backend.shutdown()
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice here")
+def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own() -> None:
+    backend = make_backend()
+    assert backend.thread_nice is None  # by default the thread keeps its priority
+    backend.thread_nice = 7  # as the engine worker sets it (EngineWorkerConfig)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # applied only without torch helper threads
+    try:
+        nice = _probe_engine_thread(backend, lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
+    finally:
+        torch.set_num_threads(threads)
+    # nice values only go up without privileges: the engine's is at least what it asked
+    assert nice >= 7
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no cpu affinity here")
+def test_the_engine_thread_runs_on_its_cores_and_the_caller_keeps_its_own() -> None:
+    backend = make_backend()
+    assert backend.thread_cpus is None  # by default it runs wherever it started
+    caller = os.sched_getaffinity(0)
+    mine = frozenset([min(caller)])
+    backend.thread_cpus = mine  # as the composition root sets it (SLUICE_ENGINE_CPUS)
+    assert _probe_engine_thread(backend, os.sched_getaffinity) == mine
+    assert os.sched_getaffinity(0) == caller
