@@ -115,9 +115,10 @@ async def _burst(stack: Stack, key: str, n: int) -> list[httpx.Response]:
 
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
         while sum(t.done() for t in tasks) < n:
-            denied = sum(t.done() and t.result().status_code == 429 for t in tasks)
-            if denied >= n - 10:
-                stack.backend.gate.set()  # the rest were admitted: let them finish
+            codes = [t.result().status_code for t in tasks if t.done() and not t.exception()]
+            unexpected = any(code not in (200, 429) for code in codes)
+            if codes.count(429) >= n - 10 or unexpected:
+                stack.backend.gate.set()  # the rest were admitted (or failed): let them end
             await asyncio.sleep(0.02)
         return [t.result() for t in tasks]
 
