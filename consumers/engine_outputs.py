@@ -1,8 +1,9 @@
 """What the engine worker holds per request, and how one engine step becomes messages.
 
 Sits between the engine's `deltas()` stream and the bus: one engine step (a list of
-`EngineDelta`s) turns into one `TokenDeltaBatch` per reply target (not one message per
-token or per request; `StepPublisher` may hold mid-stream ones and merge several steps'),
+`EngineDelta`s) turns into one `DeltaPart` per request, grouped by reply target, which
+`StepPublisher` sends as one `TokenDeltaBatch` per target (not one message per token or
+per request; it may hold mid-stream parts and merge several steps' per request),
 one `UsageRecord` per finished attempt (keyed by tenant), one `TelemetryRecord` per
 finished attempt, and the `StepProgress` entries the progress store records once the
 publishes are confirmed.
@@ -90,10 +91,28 @@ class WorkItem:
 
 
 @dataclass(slots=True)
+class DeltaPart:
+    """One step's output for one request, kept as the engine gave it until its reply
+    message is built (`render`): deltas held for the reply interval are merged there, so
+    each request costs one `TokenDelta` per message, not one per step."""
+
+    item: WorkItem
+    delta: EngineDelta
+    seq_no: int
+    token_offset: int  # absolute position of this part's first token
+    text_offset: int
+
+    @property
+    def urgent(self) -> bool:
+        """An attempt's first delta (the client's first token) or its last never waits."""
+        return self.seq_no == 0 or self.delta.finished
+
+
+@dataclass(slots=True)
 class StepOutput:
     """The messages and progress of one step, grouped for publishing."""
 
-    batches: dict[str, list[TokenDelta]] = field(default_factory=dict)  # reply_to → deltas
+    batches: dict[str, list[DeltaPart]] = field(default_factory=dict)  # reply_to → parts
     usage: list[UsageRecord] = field(default_factory=list)
     telemetry: list[TelemetryRecord] = field(default_factory=list)
     progress: list[StepProgress] = field(default_factory=list)
@@ -117,8 +136,8 @@ def build_step(
         if item.silent:
             continue
         if delta.token_ids or delta.text or delta.finished:
-            token_delta = _token_delta(item, delta, token_offset, text_offset)
-            out.batches.setdefault(item.request.reply_to, []).append(token_delta)
+            part = DeltaPart(item, delta, item.seq_no, token_offset, text_offset)
+            out.batches.setdefault(item.request.reply_to, []).append(part)
             item.seq_no += 1
         out.progress.append(
             StepProgress(
@@ -133,43 +152,24 @@ def build_step(
     return out
 
 
-def merge_deltas(deltas: list[TokenDelta]) -> list[TokenDelta]:
-    """The deltas of one message, one per request attempt: a request's deltas held over
-    several steps (`consumers.engine_publisher`) become one, its tokens, text and
-    logprobs in order, at the first one's offsets, with the last one's seq_no and ending.
+def render(parts: list[DeltaPart]) -> list[TokenDelta]:
+    """The deltas of one reply message, one per request attempt: a request's parts held
+    over several steps (`consumers.engine_publisher`) become one delta, their tokens, text
+    and logprobs in order, at the first one's offsets, with the last one's seq_no and
+    ending.
 
     The gateway takes a delta only above the last seq_no it took, and cuts what precedes
     the tokens it has by the offsets, so one merged delta reads as its parts would. Fewer,
     larger deltas cost the encoder and every reader less, and each delivery of a request
     is one event: with the parts, the bench measured gaps of 0 ms between a message's
-    deltas as inter-token latency.
+    deltas as inter-token latency. Building the delta here, once per message, rather than
+    per step and merging: with 64 requests decoding, per-step construction was a third of
+    the publisher's CPU time (cProfile, 400 steps).
     """
-    groups: dict[tuple[str, int], list[TokenDelta]] = {}
-    for delta in deltas:
-        groups.setdefault((delta.request_id, delta.attempt), []).append(delta)
-    if len(groups) == len(deltas):
-        return deltas
-    return [parts[0] if len(parts) == 1 else _merge(parts) for parts in groups.values()]
-
-
-def _merge(parts: list[TokenDelta]) -> TokenDelta:
-    first, last = parts[0], parts[-1]
-    logprobs = None
-    if any(p.logprobs is not None for p in parts):
-        logprobs = [lp for p in parts for lp in p.logprobs or ()]
-    return TokenDelta.model_construct(  # parts built by this worker: see _token_delta
-        request_id=first.request_id,
-        attempt=first.attempt,
-        seq_no=last.seq_no,
-        token_offset=first.token_offset,
-        text_offset=first.text_offset,
-        token_ids=[t for p in parts for t in p.token_ids],
-        text="".join(p.text for p in parts),
-        logprobs=logprobs,
-        finish_reason=last.finish_reason,
-        error=last.error,
-        usage=last.usage,
-    )
+    groups: dict[tuple[str, int], list[DeltaPart]] = {}
+    for part in parts:
+        groups.setdefault((part.item.request_id, part.item.attempt), []).append(part)
+    return [_token_delta(group) for group in groups.values()]
 
 
 def _advance(item: WorkItem, delta: EngineDelta) -> None:
@@ -180,37 +180,43 @@ def _advance(item: WorkItem, delta: EngineDelta) -> None:
     item.num_generated += len(delta.token_ids)
 
 
-def _token_delta(
-    item: WorkItem, delta: EngineDelta, token_offset: int, text_offset: int
-) -> TokenDelta:
+def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
+    first, last = parts[0], parts[-1]
+    item, delta = last.item, last.delta
     usage = None
-    if delta.finished:
+    if delta.finished:  # nothing follows a terminal part: item.token_offset is final
         usage = Usage(
             prompt_tokens=len(item.request.prompt_token_ids),
             cached_tokens=_cached(item, delta),
             completion_tokens=item.token_offset,  # the whole completion, all attempts
         )
     logprobs = None
-    if delta.logprobs is not None:
+    if any(p.delta.logprobs is not None for p in parts):
         logprobs = [
             TokenLogprob(
                 token_id=lp.token_id,
                 logprob=lp.logprob,
                 top=[TopLogprob(token_id=t, logprob=p) for t, p in lp.top_logprobs],
             )
-            for lp in delta.logprobs
+            for part in parts
+            for lp in part.delta.logprobs or ()
         ]
+    if len(parts) == 1:
+        token_ids, text = list(delta.token_ids), delta.text
+    else:
+        token_ids = [t for p in parts for t in p.delta.token_ids]
+        text = "".join(p.delta.text for p in parts)
     # model_construct skips validation: every value comes from this worker and its engine
-    # (typed), and readers validate on decode; per step of 64 deltas it saved ~0.3 of
-    # build_step's 0.8 ms (measured on the dev VM)
+    # (typed), and readers validate on decode; for 64 deltas it saved ~0.3 ms against
+    # validating them (measured on the dev VM)
     return TokenDelta.model_construct(
         request_id=item.request_id,
         attempt=item.attempt,
-        seq_no=item.seq_no,
-        token_offset=token_offset,
-        text_offset=text_offset,
-        token_ids=list(delta.token_ids),
-        text=delta.text,
+        seq_no=last.seq_no,
+        token_offset=first.token_offset,
+        text_offset=first.text_offset,
+        token_ids=token_ids,
+        text=text,
         logprobs=logprobs,
         finish_reason=delta.finish_reason,
         error=_client_error(delta),

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 from bus.base import Delivered, EventBus
 from bus.codec import encode
-from bus.messages import TokenDelta, TokenDeltaBatch, UsageRecord
+from bus.messages import TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
-from consumers.engine_outputs import WorkItem, build_step, merge_deltas
+from consumers.engine_outputs import DeltaPart, WorkItem, build_step, render
 from consumers.progress import ProgressStore, StepProgress
 from consumers.progress import call as progress_call
 from engine.backends.base import EngineDelta
@@ -59,16 +59,11 @@ class _Step:
 
 @dataclass(slots=True)
 class _Held:
-    """Mid-stream deltas of one reply target waiting for its interval, with their progress."""
+    """Mid-stream parts of one reply target waiting for its interval, with their progress."""
 
     due: float  # loop time by which they go out
-    deltas: list[TokenDelta] = field(default_factory=list)
+    parts: list[DeltaPart] = field(default_factory=list)
     progress: list[StepProgress] = field(default_factory=list)
-
-
-def _urgent(delta: TokenDelta) -> bool:
-    """An attempt's first delta (the client's first token) or its last never waits."""
-    return delta.seq_no == 0 or delta.finish_reason is not None
 
 
 class StepPublisher:
@@ -113,10 +108,10 @@ class StepPublisher:
         targets = {item.request_id: item.request.reply_to for item, _ in pairs}
         finished = {item.request_id for item in out.finished}
         release: dict[str, bool] = {}  # reply targets this step touched → send now
-        for reply_to, deltas in out.batches.items():
+        for reply_to, parts in out.batches.items():
             held = self._held.setdefault(reply_to, _Held(due=now + self.reply_interval_s))
-            held.deltas += deltas
-            release[reply_to] = release.get(reply_to, False) or any(map(_urgent, deltas))
+            held.parts += parts
+            release[reply_to] = release.get(reply_to, False) or any(p.urgent for p in parts)
         for entry in out.progress:
             # a request's progress follows what its target holds, in order (also one
             # without a delta this step, whose client is gone); a finish sends it all
@@ -142,7 +137,7 @@ class StepPublisher:
 
     def _release(self, target: str, step: _Step) -> None:
         held = self._held.pop(target)
-        batch = TokenDeltaBatch(reply_to=target, deltas=merge_deltas(held.deltas))
+        batch = TokenDeltaBatch(reply_to=target, deltas=render(held.parts))
         step.sends.append(self._send(reply_topic(target), encode(batch), target))
         step.progress += held.progress
 

@@ -107,47 +107,48 @@ def test_an_interval_of_zero_sends_every_step() -> None:
     assert asyncio.run(run()) == 4
 
 
-def test_a_requests_held_deltas_go_out_as_one_with_the_last_seq_no_and_ending() -> None:
-    from bus.messages import TokenDelta, TokenLogprob, Usage
-    from consumers.engine_outputs import merge_deltas
+def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_ending() -> None:
+    from bus.messages import Usage
+    from consumers.engine_outputs import build_step, render
+    from engine.backends.base import TokenLogprob
 
-    def delta(rid: str, seq: int, tokens: list[int], **kw: object) -> TokenDelta:
-        start = 10 + 2 * seq
-        return TokenDelta(
-            request_id=rid,
-            attempt=1,
-            seq_no=seq,
-            token_offset=start,
-            text_offset=start,
-            token_ids=tokens,
-            text="".join(chr(96 + t) for t in tokens),
-            **kw,  # type: ignore[arg-type]
-        )
+    store = MemoryProgressStore()
+    a, b = _item(store, "a"), _item(store, "b")
+    for item in (a, b):  # earlier messages took them to seq_no 3 at offset 10
+        item.seq_no, item.token_offset, item.text_offset = 3, 10, 10
 
-    def lp(t: int) -> list[TokenLogprob]:
-        return [TokenLogprob(token_id=t, logprob=-0.5)]
+    def lp(*tokens: int) -> list[TokenLogprob]:
+        return [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
 
-    usage = Usage(prompt_tokens=3, completion_tokens=16)
-    held = [
-        delta("a", 3, [1, 2], logprobs=lp(1) + lp(2)),
-        delta("b", 7, [5, 6]),
-        delta("a", 4, [3, 4], logprobs=lp(3) + lp(4)),
-        delta("b", 8, [], finish_reason="stop", usage=usage),
+    steps = [
+        [(a, EngineDelta("a", [1, 2], "ab", logprobs=lp(1, 2))), (b, EngineDelta("b", [5], "e"))],
+        [
+            (a, EngineDelta("a", [3, 4], "cd", logprobs=lp(3, 4))),
+            (b, EngineDelta("b", [6], "f", finish_reason="stop", num_cached_tokens=0)),
+        ],
     ]
-    a, b = merge_deltas(held)
-    assert (a.request_id, a.seq_no, a.token_offset, a.text_offset) == ("a", 4, 16, 16)
-    assert (a.token_ids, a.text, a.finish_reason) == ([1, 2, 3, 4], "abcd", None)
-    assert [x.token_id for x in a.logprobs or []] == [1, 2, 3, 4]
-    assert (b.request_id, b.seq_no, b.token_offset, b.token_ids, b.text) == (
-        "b",
-        8,
-        24,
-        [5, 6],
-        "ef",
+    parts = [p for pairs in steps for p in build_step(pairs, "w1").batches[GATEWAY]]
+    assert len(parts) == 4
+    merged_a, merged_b = render(parts)
+    assert (merged_a.request_id, merged_a.seq_no, merged_a.token_offset) == ("a", 4, 10)
+    assert (merged_a.token_ids, merged_a.text, merged_a.finish_reason) == (
+        [1, 2, 3, 4],
+        "abcd",
+        None,
     )
-    assert (b.finish_reason, b.usage, b.logprobs) == ("stop", usage, None)
-    # it encodes and decodes like any batch; one delta per request is left as it was
-    batch = decode_as(TokenDeltaBatch, encode(TokenDeltaBatch(reply_to="g", deltas=[a, b])))
-    assert batch.deltas == [a, b]
-    single = held[:2]
-    assert merge_deltas(single) is single
+    assert [x.token_id for x in merged_a.logprobs or []] == [1, 2, 3, 4]
+    assert [x.top[0].token_id for x in merged_a.logprobs or []] == [1, 2, 3, 4]
+    assert (merged_b.request_id, merged_b.seq_no, merged_b.token_offset, merged_b.text_offset) == (
+        "b",
+        4,
+        10,
+        10,
+    )
+    assert (merged_b.token_ids, merged_b.text, merged_b.logprobs) == ([5, 6], "ef", None)
+    prompt = len(b.request.prompt_token_ids)
+    assert merged_b.finish_reason == "stop"
+    assert merged_b.usage == Usage(prompt_tokens=prompt, cached_tokens=0, completion_tokens=12)
+    # it encodes and decodes like any batch
+    deltas = [merged_a, merged_b]
+    batch = decode_as(TokenDeltaBatch, encode(TokenDeltaBatch(reply_to="g", deltas=deltas)))
+    assert batch.deltas == deltas
