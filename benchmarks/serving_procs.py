@@ -55,6 +55,14 @@ def worker_threads() -> int:
     return resolve_torch_threads(load_settings(ModelSettings), "cpu") or 1
 
 
+def engine_process() -> bool:
+    """Whether the worker runs its engine in a process of its own, as `sluice worker
+    engine` does by the same setting (SLUICE_ENGINE_PROCESS, default true)."""
+    from sluice.settings import ModelSettings, load_settings
+
+    return load_settings(ModelSettings).engine_process
+
+
 def set_threads(num_threads: int) -> None:
     import torch
 
@@ -74,11 +82,19 @@ def _worker_main(
     set_threads(worker_threads())
     from consumers.engine_worker import EngineWorker, EngineWorkerConfig
     from consumers.progress import MemoryProgressStore
+    from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
     from engine.backends.torch_backend import TorchEngineBackend
 
     bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-worker"))
     bus.create_topics(TopicLayout().specs())
-    backend = TorchEngineBackend.from_model("tiny-llama", config=engine_config(), data_dir=data_dir)
+    backend: Any
+    if engine_process():  # as `sluice worker engine` runs it
+        spec = EngineSpec("tiny-llama", engine_config(), data_dir, torch_threads=worker_threads())
+        backend = ProcessEngineBackend(spec)
+    else:
+        backend = TorchEngineBackend.from_model(
+            "tiny-llama", config=engine_config(), data_dir=data_dir
+        )
     backend.thread_cpus = engine_cpus  # this process started on the other cores
     worker = EngineWorker(
         bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
@@ -133,10 +149,10 @@ class Child:
             self.process.join(5.0)
 
 
-def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
+def spawn(name: str, target: Callable[..., None], *args: Any, daemon: bool = True) -> Child:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    process = ctx.Process(target=target, args=(*args, ready, stop), name=name, daemon=True)
+    process = ctx.Process(target=target, args=(*args, ready, stop), name=name, daemon=daemon)
     process.start()
     return Child(process, ready, stop)
 
@@ -144,7 +160,16 @@ def spawn(name: str, target: Callable[..., None], *args: Any) -> Child:
 def start_worker(
     bootstrap: str, data_dir: str, group_id: str, engine_cpus: frozenset[int] | None
 ) -> Child:
-    return spawn("sluice-bench-worker", _worker_main, bootstrap, data_dir, group_id, engine_cpus)
+    # not daemonic: a daemonic process may not start the engine process
+    return spawn(
+        "sluice-bench-worker",
+        _worker_main,
+        bootstrap,
+        data_dir,
+        group_id,
+        engine_cpus,
+        daemon=False,
+    )
 
 
 def bus_round_trip(bootstrap: str, count: int, rate_per_s: float) -> dict[str, Any]:

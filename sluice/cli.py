@@ -139,7 +139,7 @@ def bench_engine(
 @bench_app.command("serving")
 def bench_serving(
     as_json: JsonFlag = False,
-    quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 3 min).")] = False,
+    quick: Annotated[bool, typer.Option(help="Two rates, fewer requests (about 4 min).")] = False,
     kafka: KafkaOption = None,
     engine_cpus: Annotated[
         str,

@@ -119,6 +119,11 @@ class ModelSettings(_Base):
         " them: 'auto' (the last torch_threads cores; one engine process per host) or a"
         " list such as '1-3'; unset: no pinning",
     )
+    engine_process: bool = Field(
+        default=True,
+        description="run the engine in a process of its own (no GIL shared with the bus"
+        " clients and the gateway); false: a thread of the serving process",
+    )
 
     @property
     def model_name(self) -> str:

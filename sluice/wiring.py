@@ -132,16 +132,12 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
 
 
 def build_backend(settings: Settings) -> Any:
-    """Sluice's torch engine on the configured model, device and dtype."""
-    from engine.backends.torch_backend import TorchEngineBackend
+    """Sluice's torch engine on the configured model, device and dtype: in a process of
+    its own (`engine.backends.process_backend`), or a thread of this one."""
     from engine.config import EngineConfig
 
     device = resolve_device(settings)
     threads = resolve_torch_threads(settings, device)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     path = model_dir(settings)
     config = EngineConfig(
         device=device,
@@ -154,13 +150,27 @@ def build_backend(settings: Settings) -> Any:
         # only this policy honours them, and preempts batch work for interactive
         scheduling_policy="priority",
     )
-    backend = TorchEngineBackend.from_model(
-        path, config=config, data_dir=settings.data_dir, quantization=settings.quantization
-    )
+    backend: Any
+    if settings.engine_process:
+        from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+
+        spec = EngineSpec(path, config, settings.data_dir, settings.quantization, threads)
+        backend = ProcessEngineBackend(spec)  # loads the model as it starts
+    else:
+        from engine.backends.torch_backend import TorchEngineBackend
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        backend = TorchEngineBackend.from_model(
+            path, config=config, data_dir=settings.data_dir, quantization=settings.quantization
+        )
     layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
     if layout is not None:
         # this process's threads now (the bus clients', the gateway's) and those they
-        # start go to the other cores; the engine thread moves to its own as it starts
+        # start go to the other cores; the engine (its thread, or its process) moves to
+        # its own as it starts
         pin_process(layout.rest)
         backend.thread_cpus = layout.engine
         logger.info("%s", layout.describe())

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ class TorchEngineBackend:
 
     Construct with `from_model(...)` for a real model, or around any `EngineCore` (tests
     use a fake runner). `start()` must be called from the asyncio loop that consumes
-    `deltas()`, or be given that loop.
+    `deltas()`, or be given that loop; or be given a `sink` that takes each step's
+    deltas on the engine thread instead (`engine.backends.process_backend` sends them to
+    another process), None last.
     """
 
     def __init__(self, core: EngineCore, *, tokenizer: Any = None) -> None:
@@ -57,8 +59,8 @@ class TorchEngineBackend:
         self._inbox: list[_Command] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+        self._channel = DeltaChannel()
+        self._sink: Callable[[list[EngineDelta] | None], None] = self._channel.post
         self._error: BaseException | None = None
         self._closed = False
         self._stats = core.stats()
@@ -123,11 +125,17 @@ class TorchEngineBackend:
         return cls(core, tokenizer=loaded.tokenizer)
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: Callable[[list[EngineDelta] | None], None] | None = None,
+    ) -> None:
         if self._thread is not None:
             raise RuntimeError("engine already started")
-        self._loop = loop or asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
+        if sink is None:
+            self._channel.open(loop)
+        else:
+            self._sink = sink
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
@@ -153,7 +161,7 @@ class TorchEngineBackend:
 
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
-        self._check_request(request)
+        check_request(request, self.config.max_model_len)
         with self._cond:
             if self._closed or self._stopping:
                 raise EngineDeadError("engine is not running") from self._error
@@ -167,27 +175,9 @@ class TorchEngineBackend:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
-    def _check_request(self, request: EngineRequest) -> None:
-        num_prompt = len(request.prompt_token_ids)
-        max_model_len = self.config.max_model_len
-        if num_prompt == 0:
-            raise RequestRejectedError("prompt is empty")
-        if num_prompt >= max_model_len:
-            raise RequestRejectedError(
-                f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
-                f"most {max_model_len - 1}"
-            )
-
     # -- deltas out ------------------------------------------------------------------
-    async def deltas(self) -> AsyncIterator[list[EngineDelta]]:
-        if self._queue is None:
-            raise RuntimeError("start() the engine before reading deltas()")
-        queue = self._queue
-        while True:
-            batch = await queue.get()
-            if batch is None:
-                return
-            yield batch
+    def deltas(self) -> AsyncIterator[list[EngineDelta]]:
+        return self._channel.stream()
 
     def stats(self) -> EngineStats:
         stats = self._stats
@@ -197,12 +187,7 @@ class TorchEngineBackend:
         return dataclasses.replace(stats, num_pending=num_pending)
 
     def _publish(self, batch: list[EngineDelta] | None) -> None:
-        loop, queue = self._loop, self._queue
-        assert loop is not None and queue is not None
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, batch)
-        except RuntimeError:  # the consuming loop is closed: nobody is listening any more
-            logger.warning("engine deltas dropped: the asyncio loop is closed")
+        self._sink(batch)
 
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -249,7 +234,7 @@ class TorchEngineBackend:
                     core.add_request(payload)
                 except Exception as exc:
                     logger.warning("request_id=%s rejected: %s", payload.request_id, exc)
-                    rejected.append(_terminal_delta(payload, "error", str(exc)))
+                    rejected.append(terminal_delta(payload, "error", str(exc)))
         return rejected
 
     def _finish(self, finish_reason: FinishReason, message: str) -> None:
@@ -257,7 +242,7 @@ class TorchEngineBackend:
         with self._cond:
             pending, self._inbox, self._closed = self._inbox, [], True
         error = message if finish_reason == "error" else None
-        deltas = [_terminal_delta(p, finish_reason, error) for k, p in pending if k == "add"]
+        deltas = [terminal_delta(p, finish_reason, error) for k, p in pending if k == "add"]
         try:
             deltas.extend(self.core.abort_all(finish_reason, error))
         except Exception:  # the core itself is broken: still end every request
@@ -272,7 +257,52 @@ class TorchEngineBackend:
         logger.info("engine loop stopped: %s", message)
 
 
-def _terminal_delta(
+def check_request(request: EngineRequest, max_model_len: int) -> None:
+    """What `submit` rejects before the request reaches the engine loop."""
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise RequestRejectedError("prompt is empty")
+    if num_prompt >= max_model_len:
+        raise RequestRejectedError(
+            f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
+            f"most {max_model_len - 1}"
+        )
+
+
+class DeltaChannel:
+    """Engine steps from a thread to the asyncio loop that reads them: one
+    `call_soon_threadsafe` per step; None ends the stream."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+
+    def open(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Bind to `loop` (default: the running one), which will read `stream()`."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+
+    def post(self, batch: list[EngineDelta] | None) -> None:
+        """From any thread."""
+        loop, queue = self._loop, self._queue
+        assert loop is not None and queue is not None, "DeltaChannel.open() first"
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, batch)
+        except RuntimeError:  # the consuming loop is closed: nobody is listening any more
+            logger.warning("engine deltas dropped: the asyncio loop is closed")
+
+    async def stream(self) -> AsyncIterator[list[EngineDelta]]:
+        if self._queue is None:
+            raise RuntimeError("start() the engine before reading deltas()")
+        queue = self._queue
+        while True:
+            batch = await queue.get()
+            if batch is None:
+                return
+            yield batch
+
+
+def terminal_delta(
     request: EngineRequest, finish_reason: FinishReason, error: str | None
 ) -> EngineDelta:
     return EngineDelta(
