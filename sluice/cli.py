@@ -145,9 +145,10 @@ def bench_serving(
         str,
         typer.Option(
             help="Cores of both arms' engine threads, the rest of the run on the others:"
-            " 'auto' (the last torch-threads cores), a list such as '1-3', or 'none'."
+            " 'auto' (the last torch-threads cores), a list such as '1-3', or 'none' (as"
+            " SLUICE_ENGINE_CPUS unset)."
         ),
-    ] = "auto",
+    ] = "none",
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
 

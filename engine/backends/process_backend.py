@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -93,7 +94,8 @@ class ProcessEngineBackend:
         ctx = mp.get_context("spawn")
         commands_in, commands = ctx.Pipe(duplex=False)
         events, events_out = ctx.Pipe(duplex=False)
-        args = (self.spec, commands_in, events_out, self.thread_cpus, self.thread_nice)
+        level = logging.getLogger().getEffectiveLevel()  # this process's, for the engine's
+        args = (self.spec, commands_in, events_out, self.thread_cpus, self.thread_nice, level)
         process = ctx.Process(target=_engine_main, args=args, name="sluice-engine", daemon=True)
         process.start()
         commands_in.close()
@@ -236,10 +238,15 @@ def _engine_main(
     events: Connection,
     cpus: frozenset[int] | None,
     nice: int | None,
+    log_level: int = logging.INFO,
 ) -> None:
     """The engine process: load, say ready, then serve commands until `stop` or EOF."""
+    # Ctrl-C reaches every process of the terminal's group: the parent drains (its
+    # requests finish, then it sends `stop`), so this one must not die first. SIGTERM
+    # keeps its default: multiprocessing terminates daemonic children with it at exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
     from engine.backends.torch_backend import TorchEngineBackend, terminal_delta
     from engine.cpus import pin_process

@@ -70,6 +70,7 @@ def test_the_engine_process_streams_what_the_thread_does_aborts_and_shuts_down(
         engine.start()
         assert engine.health() and engine.config.max_model_len == 256
         assert os.sched_getaffinity(engine._process.pid) == {cpus[-1]}
+        os.kill(engine._process.pid, signal.SIGINT)  # Ctrl-C: the parent decides when to stop
         with pytest.raises(RequestRejectedError):  # checked here, as the thread's is
             engine.submit(EngineRequest("long-prompt", list(range(1, 300)), greedy(4)))
         stream = engine.deltas()
