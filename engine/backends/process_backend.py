@@ -39,6 +39,7 @@ from engine.backends.base import (
     EngineDelta,
     EngineRequest,
     EngineStats,
+    FinishReason,
 )
 from engine.backends.torch_backend import DeltaChannel, check_request
 from engine.config import EngineConfig
@@ -112,6 +113,10 @@ class ProcessEngineBackend:
         if kind != "ready":
             self._closed = True
             process.kill()
+            process.join(5.0)
+            commands.close()
+            events.close()
+            self._channel.post(None)
             raise EngineDeadError(f"engine process failed to start: {info}")
         assert isinstance(info, EngineConfig) and stats is not None
         self.config, self._stats = info, stats
@@ -188,39 +193,43 @@ class ProcessEngineBackend:
 
     def _read(self, events: Connection) -> None:
         """The reader thread: each step's deltas to the asyncio loop, in order."""
-        while True:
-            try:
+        ended = False
+        try:
+            while not ended:
                 kind, deltas, stats, received = events.recv()
-            except (EOFError, OSError):
-                break
-            if stats is not None:
-                self._stats, self._received = stats, received
-            if deltas:
-                with self._lock:
-                    for delta in deltas:
-                        if delta.finish_reason is not None:
-                            self._inflight.discard(delta.request_id)
-                self._channel.post(deltas)
-            if kind == "end":
-                self._end()
-                return
-        # the process went away without ending the stream: killed or crashed
-        self._error = f"engine process exited with code {_exit_code(self._process)}"
-        logger.error("%s; its requests end with 'error'", self._error)
-        with self._lock:
-            lost, self._inflight = sorted(self._inflight), set()
-        if lost:
-            self._channel.post(
-                [EngineDelta(rid, finish_reason="error", error=self._error) for rid in lost]
-            )
-        self._end()
+                if stats is not None:
+                    self._stats, self._received = stats, received
+                if deltas:
+                    with self._lock:
+                        for delta in deltas:
+                            if delta.finish_reason is not None:
+                                self._inflight.discard(delta.request_id)
+                    self._channel.post(deltas)
+                ended = kind == "end"
+        except Exception as exc:  # EOF: the process went away without ending the stream
+            if not isinstance(exc, EOFError | OSError):
+                logger.exception("engine process events unreadable")
+            if not self._stopping:
+                self._error = f"engine process exited with code {_exit_code(self._process)}"
+                logger.error("%s; its requests end with 'error'", self._error)
+        finally:
+            self._end(events)
 
-    def _end(self) -> None:
+    def _end(self, events: Connection) -> None:
+        """No more steps: a request sent but never ended (an add that crossed the engine's
+        death, or a process that died or stopped without its terminal deltas) ends now,
+        'abort' when this side stopped it, else 'error'; then `deltas()` ends."""
         with self._lock:
             self._closed = True
             if self._commands is not None:
                 self._commands.close()
                 self._commands = None
+            lost, self._inflight = sorted(self._inflight), set()
+        events.close()
+        if lost:
+            reason: FinishReason = "abort" if self._stopping else "error"
+            error = None if self._stopping else (self._error or "the engine stopped")
+            self._channel.post([EngineDelta(r, finish_reason=reason, error=error) for r in lost])
         self._channel.post(None)
 
 
@@ -289,7 +298,7 @@ def _engine_main(
             try:
                 backend.submit(payload)
             except EngineDeadError:
-                pass  # the engine loop died: its 'error' deltas and 'end' are on the way
+                pass  # the engine loop died: the parent ends what it sent after 'end'
             except Exception as exc:  # checked in the parent already; never lose one
                 logger.warning("request_id=%s rejected: %s", payload.request_id, exc)
                 send_step([terminal_delta(payload, "error", str(exc))])
@@ -297,4 +306,5 @@ def _engine_main(
             backend.abort(payload)
         else:
             break
-    backend.shutdown(10.0)
+    # the parent kills this process if it takes too long; a step in flight may be slow
+    backend.shutdown(300.0)

@@ -124,3 +124,16 @@ def test_a_killed_engine_process_ends_its_requests_with_error(tmp_path: Path) ->
         engine.shutdown(1.0)
 
     asyncio.run(main())
+
+
+def test_an_engine_that_cannot_load_fails_start_and_leaves_nothing_running(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        engine = ProcessEngineBackend(EngineSpec(tmp_path / "no-such-model", CONFIG))
+        with pytest.raises(EngineDeadError, match="failed to start"):
+            engine.start()
+        assert not engine._process.is_alive() and not engine.health()
+        assert [b async for b in engine.deltas()] == []  # the stream has ended
+
+    asyncio.run(main())
