@@ -13,6 +13,8 @@ order; the terminal one carries the usage counts.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -21,6 +23,7 @@ from engine.errors import EngineDeadError, EngineError, RequestRejectedError
 from engine.sampling import SamplingParams
 
 __all__ = [
+    "DeltaChannel",
     "EngineBackend",
     "EngineDeadError",
     "EngineDelta",
@@ -30,7 +33,11 @@ __all__ = [
     "FinishReason",
     "RequestRejectedError",
     "TokenLogprob",
+    "check_request",
+    "terminal_delta",
 ]
+
+logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
 
@@ -136,3 +143,61 @@ class EngineBackend(Protocol):
     def health(self) -> bool:
         """False once the engine loop has died (or was never started / is shut down)."""
         ...
+
+
+def check_request(request: EngineRequest, max_model_len: int) -> None:
+    """What `submit` rejects before the request reaches the engine loop."""
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise RequestRejectedError("prompt is empty")
+    if num_prompt >= max_model_len:
+        raise RequestRejectedError(
+            f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
+            f"most {max_model_len - 1}"
+        )
+
+
+class DeltaChannel:
+    """Engine steps from a thread to the asyncio loop that reads them: one
+    `call_soon_threadsafe` per step; None ends the stream."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+
+    def open(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Bind to `loop` (default: the running one), which will read `stream()`."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+
+    def post(self, batch: list[EngineDelta] | None) -> None:
+        """From any thread."""
+        loop, queue = self._loop, self._queue
+        assert loop is not None and queue is not None, "DeltaChannel.open() first"
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, batch)
+        except RuntimeError:  # the consuming loop is closed: nobody is listening any more
+            logger.warning("engine deltas dropped: the asyncio loop is closed")
+
+    async def stream(self) -> AsyncIterator[list[EngineDelta]]:
+        if self._queue is None:
+            raise RuntimeError("start() the engine before reading deltas()")
+        queue = self._queue
+        while True:
+            batch = await queue.get()
+            if batch is None:
+                return
+            yield batch
+
+
+def terminal_delta(
+    request: EngineRequest, finish_reason: FinishReason, error: str | None
+) -> EngineDelta:
+    return EngineDelta(
+        request.request_id,
+        finish_reason=finish_reason,
+        error=error,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=0,
+        num_output_tokens=0,
+    )

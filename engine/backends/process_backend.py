@@ -35,13 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import (
+    DeltaChannel,
     EngineDeadError,
     EngineDelta,
     EngineRequest,
     EngineStats,
     FinishReason,
+    check_request,
+    terminal_delta,
 )
-from engine.backends.torch_backend import DeltaChannel, check_request
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class ProcessEngineBackend:
         self.thread_nice: int | None = None
         self.start_timeout_s = start_timeout_s
         self._channel = DeltaChannel()
-        self._lock = threading.Lock()  # commands pipe, in-flight ids, closed
+        self._lock = threading.Lock()  # commands pipe (None once closed), in-flight ids
         self._process: Any = None
         self._commands: Connection | None = None
         self._reader: threading.Thread | None = None
@@ -82,7 +84,6 @@ class ProcessEngineBackend:
         self._sent = 0  # adds sent; the engine process reports how many it received
         self._received = 0
         self._stats = EngineStats()
-        self._closed = False
         self._stopping = False
         self._error: str | None = None
 
@@ -111,9 +112,9 @@ class ProcessEngineBackend:
         except (EOFError, OSError):
             info = f"exited with code {_exit_code(process)}"
         if kind != "ready":
-            self._closed = True
             process.kill()
             process.join(5.0)
+            self._commands = None
             commands.close()
             events.close()
             self._channel.post(None)
@@ -145,7 +146,7 @@ class ProcessEngineBackend:
         return (
             process is not None
             and process.is_alive()
-            and not self._closed
+            and self._commands is not None
             and not self._stopping
             and self._error is None
         )
@@ -159,7 +160,7 @@ class ProcessEngineBackend:
     def submit(self, request: EngineRequest) -> None:
         check_request(request, self.config.max_model_len)
         with self._lock:
-            if self._closed or self._stopping or self._commands is None:
+            if self._stopping or self._commands is None:
                 raise EngineDeadError("engine is not running")
             if not self._send(("add", request)):
                 raise EngineDeadError("engine process is gone")
@@ -168,8 +169,7 @@ class ProcessEngineBackend:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            if not self._closed:
-                self._send(("abort", request_id))
+            self._send(("abort", request_id))
 
     def _send(self, command: tuple[str, Any]) -> bool:
         """Under `_lock`. False when the engine process is gone."""
@@ -220,7 +220,6 @@ class ProcessEngineBackend:
         death, or a process that died or stopped without its terminal deltas) ends now,
         'abort' when this side stopped it, else 'error'; then `deltas()` ends."""
         with self._lock:
-            self._closed = True
             if self._commands is not None:
                 self._commands.close()
                 self._commands = None
@@ -257,7 +256,7 @@ def _engine_main(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
-    from engine.backends.torch_backend import TorchEngineBackend, terminal_delta
+    from engine.backends.torch_backend import TorchEngineBackend
     from engine.cpus import pin_process
 
     if cpus:

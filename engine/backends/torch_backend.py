@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import (
+    DeltaChannel,
     EngineDeadError,
     EngineDelta,
     EngineRequest,
     EngineStats,
     FinishReason,
-    RequestRejectedError,
+    check_request,
+    terminal_delta,
 )
 from engine.config import EngineConfig
 from engine.cpus import pin_this_thread
@@ -255,64 +257,6 @@ class TorchEngineBackend:
             self._publish(deltas)
         self._publish(None)
         logger.info("engine loop stopped: %s", message)
-
-
-def check_request(request: EngineRequest, max_model_len: int) -> None:
-    """What `submit` rejects before the request reaches the engine loop."""
-    num_prompt = len(request.prompt_token_ids)
-    if num_prompt == 0:
-        raise RequestRejectedError("prompt is empty")
-    if num_prompt >= max_model_len:
-        raise RequestRejectedError(
-            f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
-            f"most {max_model_len - 1}"
-        )
-
-
-class DeltaChannel:
-    """Engine steps from a thread to the asyncio loop that reads them: one
-    `call_soon_threadsafe` per step; None ends the stream."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
-
-    def open(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Bind to `loop` (default: the running one), which will read `stream()`."""
-        self._loop = loop or asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
-
-    def post(self, batch: list[EngineDelta] | None) -> None:
-        """From any thread."""
-        loop, queue = self._loop, self._queue
-        assert loop is not None and queue is not None, "DeltaChannel.open() first"
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, batch)
-        except RuntimeError:  # the consuming loop is closed: nobody is listening any more
-            logger.warning("engine deltas dropped: the asyncio loop is closed")
-
-    async def stream(self) -> AsyncIterator[list[EngineDelta]]:
-        if self._queue is None:
-            raise RuntimeError("start() the engine before reading deltas()")
-        queue = self._queue
-        while True:
-            batch = await queue.get()
-            if batch is None:
-                return
-            yield batch
-
-
-def terminal_delta(
-    request: EngineRequest, finish_reason: FinishReason, error: str | None
-) -> EngineDelta:
-    return EngineDelta(
-        request.request_id,
-        finish_reason=finish_reason,
-        error=error,
-        num_prompt_tokens=len(request.prompt_token_ids),
-        num_cached_tokens=0,
-        num_output_tokens=0,
-    )
 
 
 def _renice_this_thread(nice: int) -> None:
