@@ -1,7 +1,8 @@
 """The gateway's FastAPI app factory: OpenAI-compatible routes over the event bus.
 
 `create_app` wires what the composition root (`sluice/`) built: settings, the bus, the
-served models, the authenticator and, with a tenant store, the `AdmissionService`. The
+served models, the authenticator, with a tenant store the `AdmissionService`, and with
+a database the `BatchControl` behind the Files and Batches routes. The
 app starts the `GatewayService` (the reply consumer) in its lifespan and stops it on
 shutdown; it does not close the admission service (its owner does).
 """
@@ -17,15 +18,30 @@ from api.auth import Authenticator, StaticKeyAuthenticator
 from api.deps import Gateway
 from api.errors import install_error_handlers
 from api.middleware import GatewayMiddleware
-from api.prepare import Limits
-from api.routes import admin, chat, completions, health, responses, usage
+from api.openapi import install_docs, install_openapi
+from api.prepare import RequestLimits
+from api.routes import admin, chat, completions, dashboard, files, health, responses, usage
+from api.routes import batches as batch_routes
+from api.routes import metrics as metrics_routes
 from api.routes import models as model_routes
+from api.routes.batches import BatchControl
 from api.served import ModelCatalog, ServedModel
+from api.server_span import ServerSpanMiddleware
 from api.service import GatewayService
 from api.tenancy import GatewayAdmission, TenantAuthenticator
 from billing.admission import AdmissionService
 from bus.base import EventBus
 from sluice.settings import GatewaySettings
+
+
+def request_limits(settings: GatewaySettings) -> RequestLimits:
+    """The limits on one request, for the routes and for batch lines alike."""
+    return RequestLimits(
+        request_timeout_s=settings.request_timeout_s,
+        max_n=settings.max_n,
+        max_choices=settings.max_choices,
+        max_logprobs=settings.max_logprobs,
+    )
 
 
 def create_app(
@@ -36,12 +52,14 @@ def create_app(
     *,
     service: GatewayService | None = None,
     admission: AdmissionService | None = None,
+    batches: BatchControl | None = None,
 ) -> FastAPI:
     """The gateway app. `authenticator` defaults to the static keys of `settings`, or
     with `admission` to the tenant store (static keys then work only while it is empty).
 
     `service` may be passed in (tests, embedded mode); by default one is built on `bus`
-    with `settings.gateway_id`. The app owns its lifecycle either way.
+    with `settings.gateway_id`. The app owns its lifecycle either way. Without `batches`
+    the Files and Batches routes answer 503.
     """
     service = service or GatewayService(
         bus,
@@ -50,12 +68,7 @@ def create_app(
         publish_timeout_s=settings.publish_timeout_s,
         deadline_grace_s=settings.deadline_grace_s,
     )
-    limits = Limits(
-        request_timeout_s=settings.request_timeout_s,
-        max_n=settings.max_n,
-        max_choices=settings.max_choices,
-        max_logprobs=settings.max_logprobs,
-    )
+    limits = request_limits(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,6 +83,11 @@ def create_app(
         summary="OpenAI-compatible gateway of the Sluice inference pipeline",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # install_docs serves Swagger UI without a CDN
+        redoc_url=None,
+        # the server span is ours (api.server_span): it ends with the stream, carries the
+        # usage and hands the GenAI operation to the engine side; FastAPI's would be a second
+        telemetry={"tracing": False, "operation_spans": False},
     )
     static = StaticKeyAuthenticator(settings.api_keys)
     if admission is not None:
@@ -83,8 +101,20 @@ def create_app(
         admin_key=settings.admin_key,
     )
     app.state.authenticator = authenticator or static
+    app.state.ws_allowed_origins = settings.ws_allowed_origins
+    app.state.batches = batches
     install_error_handlers(app)
-    for module in (health, model_routes, chat, completions, responses, usage, admin):
+    v1 = (model_routes, chat, completions, responses, usage, files, batch_routes)
+    for module in (health, *v1, admin, dashboard):
         app.include_router(module.router)
-    app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.include_router(metrics_routes.router)  # /metrics, outside the API schema
+    app.add_middleware(
+        GatewayMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        max_upload_bytes=None if batches is None else files.max_upload_bytes(batches.limits),
+    )
+    # outermost: its span covers every layer
+    app.add_middleware(ServerSpanMiddleware, trace_content=settings.trace_content)
+    install_openapi(app)
+    install_docs(app)
     return app

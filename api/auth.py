@@ -2,7 +2,7 @@
 
 `Authenticator` is the seam: the static key set (`--api-key`) here, the tenant key store
 (hashed keys in billing/) in `api.tenancy.TenantAuthenticator`. The tenant always comes
-from the key, never from a header the client controls (DESIGN.md §5.6).
+from the key, never from a header the client controls (docs/architecture.md §5.6).
 """
 
 from __future__ import annotations
@@ -10,27 +10,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from fastapi import Request
 from starlette.requests import HTTPConnection
 
 from api.errors import AuthenticationFailed
-from billing.tenants import Limits
+from billing.keys import Principal as Principal  # the one Principal, re-exported
 
 DEFAULT_TENANT = "default"
-
-
-class Principal(NamedTuple):
-    """The caller as the rest of the pipeline sees it; cache salt = tenant_id.
-
-    `limits` is the tenant's plan when the key came from the tenant store; None (static
-    keys) means no admission limits apply.
-    """
-
-    tenant_id: str
-    key_id: str | None
-    limits: Limits | None = None
 
 
 class Authenticator(Protocol):

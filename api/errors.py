@@ -1,7 +1,8 @@
 """The one place that maps errors to HTTP: OpenAI error objects for every failure.
 
 Every error the gateway answers is `{"error": {"message", "type", "param", "code"}}`
-(ecosystem.md §A.4) with the status the OpenAI SDK expects, and `x-request-id`.
+(the OpenAI API reference's error object) with the status the OpenAI SDK expects (openai-python
+`_exceptions.py`, `_base_client.py` for its retries), and `x-request-id`.
 
 APIError                         root; carries status, type, code, param, headers
 ├── InvalidRequest               400 invalid_request_error (FastAPI's 422s are reshaped here)
@@ -16,8 +17,10 @@ APIError                         root; carries status, type, code, param, header
 ├── QuotaExceeded                429 insufficient_quota / insufficient_quota (x-should-retry: false)
 ├── EngineFailed                 500 server_error (finish_reason "error")
 ├── ServiceUnavailable           503 server_error / bus_unavailable (retryable)
-│   └── QuotaUnavailable         503 server_error / quota_store_unavailable (budgeted tenant,
-│                                Redis down: budgets fail closed)
+│   ├── QuotaUnavailable         503 server_error / quota_store_unavailable (budgeted tenant,
+│   │                            Redis down: budgets fail closed)
+│   └── EngineNotReady           503 server_error / engine_not_ready (retry-after: the
+│                                engine of this process is loading or restarting)
 ├── RequestCancelled             503 server_error / request_cancelled (x-should-retry: false)
 └── DeadlineExceeded             504 timeout_error / deadline_exceeded (x-should-retry: false)
 
@@ -156,6 +159,20 @@ class QuotaUnavailable(ServiceUnavailable):
 
     def __init__(self, message: str, headers: dict[str, str]) -> None:
         super().__init__(message, headers={**headers, "x-should-retry": "true"})
+
+
+class EngineNotReady(ServiceUnavailable):
+    """Embedded mode: this process's engine is still loading (or restarting). Answered at
+    once, so a client retries after `retry-after` instead of holding a request open."""
+
+    code = "engine_not_ready"
+    retry_after_s = 5
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the engine is not ready (loading the model, or restarting); retry shortly",
+            headers={"retry-after": str(self.retry_after_s), "x-should-retry": "true"},
+        )
 
 
 class RequestCancelled(APIError):

@@ -1,7 +1,7 @@
 """OpenAI response objects for chat and (legacy) completions: chunks and whole answers.
 
 Shapes follow the SDK's `chat_completion_chunk.py`, `chat_completion.py` and
-`completion.py` (ecosystem.md §A.3): every chunk carries `"usage": null` except the
+`completion.py` (openai-python `types/`): every chunk carries `"usage": null` except the
 `stream_options.include_usage` chunk, whose `choices` is `[]`.
 """
 
@@ -157,25 +157,34 @@ class CompletionFormat(_CallFormat):
         logprobs: list[TokenLogprob] | None,
         text_offset: int,
         want_logprobs: bool,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
+        """One choice's chunk; `token_ids` (vLLM's `return_token_ids`) only when given."""
         lp = (
             completion_logprobs(self.tokenizer, logprobs or [], text_offset)
             if want_logprobs
             else None
         )
-        choice = {
+        choice: dict[str, Any] = {
             "index": index,
             "text": text,
             "logprobs": lp,
             "finish_reason": finish_reason(finish),
         }
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {**self._head(self.chunk_object), "choices": [choice], "usage": None}
 
     def completion(
-        self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
+        self,
+        results: list[ChoiceResult],
+        usage_obj: dict[str, Any],
+        want_logprobs: bool,
+        want_token_ids: bool = False,
     ) -> dict[str, Any]:
-        choices = [
-            {
+        choices = []
+        for r in results:
+            choice: dict[str, Any] = {
                 "index": r.index,
                 "text": r.text,
                 "logprobs": completion_logprobs(self.tokenizer, r.logprobs, 0)
@@ -183,6 +192,7 @@ class CompletionFormat(_CallFormat):
                 else None,
                 "finish_reason": finish_reason(r.finish_reason),
             }
-            for r in results
-        ]
+            if want_token_ids:
+                choice["token_ids"] = r.token_ids
+            choices.append(choice)
         return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}

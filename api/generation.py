@@ -12,14 +12,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bus.messages import FinishReason, TokenDelta, TokenLogprob
 
-if TYPE_CHECKING:
-    from api.service import GatewayService
-
 logger = logging.getLogger(__name__)
+
+
+class GenerationCanceller(Protocol):
+    """Cancels a generation's unfinished sub-requests on the bus (`GatewayService`);
+    a protocol, so that the service imports this module and not the other way round."""
+
+    def cancel(self, generation: Generation, reason: str = ...) -> None: ...
 
 
 @dataclass(slots=True)
@@ -34,6 +38,10 @@ class Track:
     num_chars: int = 0
     cached_tokens: int = 0
     done: bool = False
+    # deltas of this attempt that came ahead of one still on its way (a publish the
+    # worker had to retry lands after the next one): taken once the gap is filled
+    held: list[TokenDelta] = field(default_factory=list)
+    held_since: float = 0.0  # time.monotonic() when the open gap opened
 
 
 @dataclass(slots=True)
@@ -60,6 +68,59 @@ class ChoiceResult:
     error: str | None = None
 
 
+def _client_error(request_id: str, delta: TokenDelta) -> str | None:
+    """A stable message for the client; the engine's own words go to the log only."""
+    if delta.error is None:
+        return None
+    logger.warning(
+        "request failed in the engine request_id=%s attempt=%s: %s",
+        request_id,
+        delta.attempt,
+        delta.error,
+    )
+    return (
+        f"the engine failed while generating this request (request id {request_id}); "
+        "retry, and quote the request id if it persists"
+    )
+
+
+# deltas held while a gap stays open, and for how long; past either the missing one is
+# taken as lost and what is held goes out with its gap. Short: a reordering (a retried
+# publish) closes its gap within this; a lost delta should cost the client little more
+# than the gap itself (sluice bench scale still saw single-token deltas lost at 2 and 4
+# workers on Kafka, cause not found yet)
+MAX_HELD = 256
+GAP_WAIT_S = 2.0
+
+
+def accept(track: Track, delta: TokenDelta) -> bool:
+    """Fencing and duplicates: False for a delta of a lower attempt than one already
+    seen, or at or below the last (attempt, seq_no) taken that holds nothing the client
+    lacks. A lower seq_no may still bring tokens: the late delta that fills a gap, or the
+    same attempt run again from the start by a worker that took the partition over with
+    no shared progress store (no Redis); `Generation.take` keeps only what is new by
+    offsets. True moves the track on."""
+    if delta.attempt < track.attempt:
+        logger.info(
+            "fenced delta request_id=%s attempt=%s < %s",
+            delta.request_id,
+            delta.attempt,
+            track.attempt,
+        )
+        return False
+    if delta.attempt > track.attempt:
+        track.attempt, track.last_seq_no = delta.attempt, -1
+        track.held.clear()  # a dead attempt's: the new one resumes from its own offsets
+    elif (
+        delta.seq_no <= track.last_seq_no
+        and not track.held
+        and delta.token_offset + len(delta.token_ids) <= track.num_tokens
+    ):
+        return False  # redelivered: nothing the client lacks
+    track.last_seq_no = max(track.last_seq_no, delta.seq_no)
+    return True
+
+
 class Generation:
     def __init__(
         self,
@@ -67,7 +128,7 @@ class Generation:
         *,
         tenant_id: str,
         wait_until: float | None,
-        service: GatewayService,
+        service: GenerationCanceller,
     ) -> None:
         self.tracks = tracks
         self.tenant_id = tenant_id
@@ -95,8 +156,33 @@ class Generation:
 
     # -- fed by the service, on the event loop -----------------------------------------
     def take(self, track: Track, delta: TokenDelta) -> None:
-        """Add the part of `delta` the client has not seen yet."""
-        if delta.token_offset > track.num_tokens or delta.text_offset > track.num_chars:
+        """Add the part of `delta` the client has not seen yet, in order: a delta that
+        starts past what the client has waits for the one before it."""
+        if _ahead(track, delta) and len(track.held) < MAX_HELD:
+            if not track.held:
+                track.held_since = time.monotonic()
+            track.held.append(delta)
+            return
+        self._add(track, delta)
+        self._take_held(track, force=False)
+
+    def _take_held(self, track: Track, *, force: bool) -> None:
+        """What the track held that is no longer ahead (all of it when `force`)."""
+        while track.held and not track.done:
+            track.held.sort(key=lambda d: (d.token_offset, d.text_offset))
+            if not force and _ahead(track, track.held[0]) and len(track.held) < MAX_HELD:
+                return
+            self._add(track, track.held.pop(0))
+        track.held.clear()
+
+    def _release_stale_gaps(self) -> None:
+        now = time.monotonic()
+        for track in self.tracks:
+            if track.held and now - track.held_since >= GAP_WAIT_S:
+                self._take_held(track, force=True)
+
+    def _add(self, track: Track, delta: TokenDelta) -> None:
+        if _ahead(track, delta):
             logger.warning(
                 "gap in deltas request_id=%s attempt=%s: have %s tokens, delta starts at %s",
                 track.request_id,
@@ -104,6 +190,8 @@ class Generation:
                 track.num_tokens,
                 delta.token_offset,
             )
+        if track.done:
+            return
         skip_tokens = max(0, track.num_tokens - delta.token_offset)
         skip_chars = max(0, track.num_chars - delta.text_offset)
         token_ids = delta.token_ids[skip_tokens:]
@@ -111,8 +199,10 @@ class Generation:
         text = delta.text[skip_chars:]
         track.num_tokens = max(track.num_tokens, delta.token_offset + len(delta.token_ids))
         track.num_chars = max(track.num_chars, delta.text_offset + len(delta.text))
+        error = None
         if delta.finish_reason is not None:
             track.done = True
+            error = _client_error(track.request_id, delta)
             if delta.usage is not None:
                 track.cached_tokens = delta.usage.cached_tokens
         if token_ids or text or delta.finish_reason is not None:
@@ -123,7 +213,7 @@ class Generation:
                     token_ids=token_ids,
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason,
-                    error=delta.error,
+                    error=error,
                 )
             )
 
@@ -135,8 +225,12 @@ class Generation:
         and end with finish_reason "deadline".
         """
         timeout = max_wait_s
+        now = time.monotonic()
         if self.wait_until is not None:
-            timeout = min(timeout, max(0.0, self.wait_until - time.monotonic()))
+            timeout = min(timeout, max(0.0, self.wait_until - now))
+        gaps = [t.held_since + GAP_WAIT_S for t in self.tracks if t.held]
+        if gaps:
+            timeout = min(timeout, max(0.0, min(gaps) - now))
         try:
             # not asyncio.wait_for: on 3.11 it returns the result instead of raising when
             # the caller is cancelled as the event arrives, and the cancelled stream then
@@ -145,6 +239,9 @@ class Generation:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
+            self._release_stale_gaps()
+            if not self._queue.empty():
+                return self._queue.get_nowait()
             if self.wait_until is None or time.monotonic() < self.wait_until:
                 return None
         self.end("deadline", "deadline")
@@ -167,13 +264,28 @@ class Generation:
         results = [ChoiceResult(index=t.index) for t in self.tracks]
         while self.pending:
             event = await self.next_event(3600.0)
-            if event is None:
-                continue
-            result = results[event.index]
-            result.text += event.text
-            result.token_ids.extend(event.token_ids)
-            if event.logprobs:
-                result.logprobs.extend(event.logprobs)
-            if event.finish_reason is not None:
-                result.finish_reason, result.error = event.finish_reason, event.error
+            if event is not None:
+                _add(results[event.index], event)
         return results
+
+    def results(self) -> list[ChoiceResult]:
+        """Every choice as taken so far, without waiting (a finished generation's answer)."""
+        results = [ChoiceResult(index=t.index) for t in self.tracks]
+        while not self._queue.empty():
+            event = self._queue.get_nowait()
+            _add(results[event.index], event)
+        return results
+
+
+def _add(result: ChoiceResult, event: StreamEvent) -> None:
+    result.text += event.text
+    result.token_ids.extend(event.token_ids)
+    if event.logprobs:
+        result.logprobs.extend(event.logprobs)
+    if event.finish_reason is not None:
+        result.finish_reason, result.error = event.finish_reason, event.error
+
+
+def _ahead(track: Track, delta: TokenDelta) -> bool:
+    """The delta starts past what the client has: one before it is still on its way."""
+    return delta.token_offset > track.num_tokens or delta.text_offset > track.num_chars

@@ -1,12 +1,13 @@
 """Validated request bodies → `GenerateRequest`s: tokenize, check limits, pick the lane.
 
 Everything the routes share before a request goes on the bus: chat templates and
-tokenization (at the gateway, DESIGN.md §4), the context-length check, sampling
+tokenization (at the gateway, docs/architecture.md §4), the context-length check, sampling
 parameters, the `service_tier` → lane mapping, and the deadline.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,8 +35,9 @@ _TIERS: dict[str | None, tuple[Lane, str]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """The gateway's request limits (from `GatewaySettings`)."""
+class RequestLimits:
+    """The gateway's limits on one request (from `GatewaySettings`); a tenant's plan limits
+    are `billing.tenants.PlanLimits`."""
 
     request_timeout_s: float = 600.0
     max_n: int = 8
@@ -58,16 +60,11 @@ class Call:
         return sum(self.prompt_lengths)
 
 
-def new_call_id() -> str:
-    """Hex id of one call; its x-request-id is `req_<id>`, its first sub-request's too."""
-    return uuid.uuid4().hex
-
-
 def lane_for(service_tier: str | None) -> tuple[Lane, str]:
     return _TIERS[service_tier]
 
 
-def deadline_ms_for(headers: Any, limits: Limits, now_ms: int) -> int:
+def deadline_ms_for(headers: Any, limits: RequestLimits, now_ms: int) -> int:
     raw = headers.get(TIMEOUT_HEADER)
     if raw is None:
         return now_ms + int(limits.request_timeout_s * 1000)
@@ -102,7 +99,36 @@ def message_text(content: str | list[dict[str, Any]] | None, param: str) -> str:
     return "".join(parts)
 
 
+def check_prompt_chars(model: ServedModel, num_chars: int, param: str) -> None:
+    """Refuse text that could not fit the context however it tokenizes, before tokenizing.
+
+    No token covers more than `max_token_chars` characters, so longer text needs more
+    tokens than the context holds; tokenizing megabytes first would only burn a core.
+    """
+    limit = model.max_model_len * max(1, model.tokenizer.max_token_chars)
+    if num_chars > limit:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {model.max_model_len} tokens; the "
+            f"prompt has {num_chars} characters, more than that many tokens can hold: "
+            "shorten the prompt",
+            param=param,
+        )
+
+
+def check_token_ids(model: ServedModel, token_ids: Sequence[int], param: str) -> None:
+    vocab_size = model.tokenizer.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"token id {bad} is outside this model's vocabulary (0 to {vocab_size - 1})",
+            param=param,
+            code="invalid_value",
+        )
+
+
 def render_chat(model: ServedModel, messages: list[dict[str, Any]]) -> list[int]:
+    num_chars = sum(len(m["content"] or "") for m in messages)
+    check_prompt_chars(model, num_chars, "messages")
     try:
         rendered = model.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True
@@ -117,13 +143,17 @@ def render_chat(model: ServedModel, messages: list[dict[str, Any]]) -> list[int]
 def encode_prompts(model: ServedModel, prompt: Any) -> list[list[int]]:
     """Completions' `prompt`: text, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [model.tokenizer.encode(prompt)]
+        prompt = [prompt]
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
+        prompt = [prompt]
     if isinstance(prompt[0], str):
+        for text in prompt:
+            check_prompt_chars(model, len(text), "prompt")
         return [model.tokenizer.encode(p) for p in prompt]
+    for token_ids in prompt:
+        check_token_ids(model, token_ids, "prompt")
     return [list(p) for p in prompt]
 
 
@@ -140,6 +170,25 @@ def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int, par
         )
 
 
+def check_sampling(model: ServedModel, sampling: SamplingSpec) -> None:
+    """What the engine would otherwise have to refuse mid-batch."""
+    if sampling.top_p < sys.float_info.min:
+        # the engine flushes subnormal floats to zero, and top_p 0 is out of its range
+        raise InvalidRequest(
+            f"top_p must be at least {sys.float_info.min} (the smallest normal float)",
+            param="top_p",
+            code="invalid_value",
+        )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
+            f"({sampling.max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
+    check_token_ids(model, sampling.stop_token_ids, "stop_token_ids")
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > 4:
@@ -151,7 +200,7 @@ def refuse(param: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {what}", param=param, code="unsupported_parameter")
 
 
-def check_common(body: Any, limits: Limits) -> None:
+def check_common(body: Any, limits: RequestLimits) -> None:
     """Parameters shared by chat and completions that Sluice cannot honour."""
     if body.n > limits.max_n:
         raise InvalidRequest(f"n must be at most {limits.max_n}", param="n", code="invalid_value")
@@ -162,11 +211,16 @@ def check_common(body: Any, limits: Limits) -> None:
         raise refuse("logit_bias", "logit_bias is not supported by this server")
 
 
-def check_logprobs(count: int | None, limits: Limits, param: str) -> None:
+def check_logprobs(count: int | None, limits: RequestLimits, param: str) -> None:
     if count is not None and count > limits.max_logprobs:
         raise InvalidRequest(
             f"{param} must be at most {limits.max_logprobs}", param=param, code="invalid_value"
         )
+
+
+def _int64(value: int) -> int:
+    """Wrapped into the signed 64-bit range seeds travel in."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def build_call(
@@ -179,10 +233,11 @@ def build_call(
     service_tier: str | None,
     deadline_ms: int,
     reply_to: str,
-    limits: Limits,
+    limits: RequestLimits,
     call_id: str | None = None,
 ) -> Call:
     """One GenerateRequest per (prompt, choice); seeds differ per choice so n > 1 varies."""
+    check_sampling(model, sampling)
     if len(prompts) * n > limits.max_choices:
         raise InvalidRequest(
             f"at most {limits.max_choices} choices per request (prompts x n)",
@@ -198,7 +253,7 @@ def build_call(
             i = p * n + c
             spec = sampling
             if sampling.seed is not None and c > 0:
-                spec = sampling.model_copy(update={"seed": sampling.seed + c})
+                spec = sampling.model_copy(update={"seed": _int64(sampling.seed + c)})
             requests.append(
                 GenerateRequest(
                     request_id=f"req_{call_id}" if i == 0 else f"req_{call_id}-{i}",

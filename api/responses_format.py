@@ -14,10 +14,33 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.errors import APIError, error_for_finish
+from api.errors import APIError, InvalidRequest, error_for_finish
 from api.generation import ChoiceResult, Generation
 from api.schemas import ResponsesRequest
 from api.streaming import pump
+
+
+def text_format_type(text: dict[str, Any] | None) -> str:
+    """The `text.format.type` a request asks for, "text" when it names none.
+
+    The schema keeps `text` an open object (OpenAI adds fields to it), so its `format`
+    is checked here: anything but an object is the client's error, a 400.
+    """
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return "text"
+    if not isinstance(fmt, dict):
+        raise InvalidRequest(
+            'text.format must be an object such as {"type": "text"}',
+            param="text.format",
+            code="invalid_type",
+        )
+    kind = fmt.get("type", "text")
+    if not isinstance(kind, str):
+        raise InvalidRequest(
+            "text.format.type must be a string", param="text.format.type", code="invalid_type"
+        )
+    return kind
 
 
 class ResponsesFormat:

@@ -11,13 +11,56 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
 
 
+# Seeds travel as signed 64-bit integers (what torch.Generator and the wire take).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def invalid_unicode_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string holding a lone surrogate, or None.
+
+    JSON's `\\ud800` escapes decode to Python strings that cannot be encoded as UTF-8;
+    they would fail later, in the tokenizer or on the bus, after admission.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = invalid_unicode_at(key, path) or invalid_unicode_at(
+                item, f"{path}.{key}" if path else str(key)
+            )
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := invalid_unicode_at(item, f"{path}[{i}]"):
+                return found
+    return None
+
+
+class RequestBody(_Body):
+    """A whole request body: its strings must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := invalid_unicode_at(data)) is not None:
+            raise ValueError(f"{where} is not valid Unicode (it holds a lone surrogate)")
+        return data
 
 
 class StreamOptions(_Body):
@@ -25,14 +68,14 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """Sampling fields shared by chat and completions (plus vLLM's common extras)."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -77,6 +120,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    # vLLM's extension: each choice (and each streamed chunk's) carries its `token_ids`
+    return_token_ids: bool = False
 
 
 class ResponseInputText(_Body):
@@ -90,7 +135,7 @@ class ResponseInputMessage(_Body):
     content: str | list[ResponseInputText]
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     """`POST /v1/responses` and the WebSocket `response.create` event (text only)."""
 
     model: str

@@ -1,7 +1,7 @@
 """What the gateway serves: models with their tokenizers, injected by the composition root.
 
-The gateway tokenizes and renders chat templates itself (DESIGN.md §4: prompt token ids
-travel on the bus), through the `Tokenizer` protocol; `engine.tokenizer.Tokenizer` is
+The gateway tokenizes and renders chat templates itself (docs/architecture.md §4: prompt
+token ids travel on the bus), through the `Tokenizer` protocol; `engine.tokenizer.Tokenizer` is
 the real one, passed in from `sluice/` because `api` never imports `engine`.
 """
 
@@ -19,7 +19,17 @@ class Tokenizer(Protocol):
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can cover (bounds a prompt's chars)."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """May run on a worker thread: long texts must not hold the GIL throughout."""
+        ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

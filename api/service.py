@@ -1,7 +1,7 @@
 """`GatewayService`: publishes GenerateRequests and routes the engine's deltas back.
 
-The gateway's half of the bus (DESIGN.md §1): a request is published to its lane topic,
-keyed by tenant, with the trace context in the headers; the engine workers answer on
+The gateway's half of the bus (docs/architecture.md §1, §11): a request is published to
+its lane topic, keyed by tenant, with the trace context in the headers; the engine workers answer on
 this instance's own reply topic, which one thread polls. That thread hands each batch to
 the event loop (`call_soon_threadsafe`), where the per-request bookkeeping lives, so it
 needs no lock:
@@ -26,18 +26,23 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from api.errors import ServiceUnavailable
-from api.generation import Generation, Track
+from api.generation import Generation, Track, accept
+from api.server_span import note_generation
 from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from bus.codec import decode_as, encode
 from bus.errors import BusError
 from bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch
 from bus.topics import CONTROL_TOPIC, reply_topic, request_topic
+from tracing.metrics import time_publish
 from tracing.propagation import inject_headers
+from tracing.spans import SendSpan
 
 logger = logging.getLogger(__name__)
 
 TerminalHook = Callable[[GenerateRequest, TokenDelta], None]
 TERMINAL_WAIT_S = 3600.0  # how long a published request waits for its terminal delta
+PUBLISH_REPORT_GRACE_S = 2.0  # how long past the publish timeout the bus may take to say
+REPLY_COMMIT_INTERVAL_S = 0.5  # a rejoining reply consumer re-reads at most this much
 
 
 class GatewayService:
@@ -135,15 +140,25 @@ class GatewayService:
             self._tracks[track.request_id] = (track, generation)
         if self._terminal_hook is not None:
             self._await_terminals(requests)
-        headers = inject_headers()
         try:
+            send = SendSpan(
+                request_topic(requests[0].lane), tenant_id, requests[0].request_id, len(requests)
+            )
+            headers = send.headers()
             futures = [
-                self.bus.publish(
-                    request_topic(r.lane), encode(r), key=r.tenant_id.encode(), headers=headers
+                time_publish(  # sluice_bus_publish_seconds once the broker confirms it
+                    self.bus.publish(
+                        request_topic(r.lane), encode(r), key=r.tenant_id.encode(), headers=headers
+                    ),
+                    request_topic(r.lane),
                 )
                 for r in requests
             ]
-            async with asyncio.timeout(self._publish_timeout_s):  # see Generation.next_event
+            send.end_when_sent(futures)
+            # past the bus's own message timeout (the same setting), so that a publish that
+            # failed there is reported by the bus, not guessed at here
+            timeout_s = self._publish_timeout_s + PUBLISH_REPORT_GRACE_S
+            async with asyncio.timeout(timeout_s):  # see Generation.next_event
                 for future in futures:
                     await asyncio.wrap_future(future)
         except (BusError, TimeoutError) as exc:
@@ -155,6 +170,12 @@ class GatewayService:
             )
             self.cancel(generation, reason="publish failed")
             raise ServiceUnavailable("the request queue is unavailable; retry shortly") from exc
+        except BaseException:
+            # nothing may stay tracked for a call that never got going (a cancelled
+            # caller, an unencodable request): the caller releases what it admitted
+            self.cancel(generation, reason="submit failed")
+            raise
+        note_generation(list(requests), generation)  # its usage goes on the server span
         return generation
 
     def cancel(self, generation: Generation, reason: str = "client disconnected") -> None:
@@ -185,15 +206,18 @@ class GatewayService:
         for r in requests:
             self._awaiting[r.request_id] = (r, now + TERMINAL_WAIT_S)
 
-    def forget(self, track: Track) -> None:
-        self._tracks.pop(track.request_id, None)
-
     # -- the reply consumer (its own thread) ------------------------------------------
     def _on_assign(self, partitions: set[TopicPartition]) -> None:
         self._assigned.set()
 
     def _run(self) -> None:
         consumer: Consumer | None = None
+        # Where reading goes on: committed now and then, so a member that lost the group
+        # (its session timed out while the broker was unreachable) rejoins where it was,
+        # not at "latest" past every delta sent meanwhile; the redelivered ones are
+        # dropped as duplicates by (attempt, seq_no).
+        positions: dict[TopicPartition, int] = {}
+        committed_at = 0.0
         while not self._stopping.is_set():
             try:
                 if consumer is None:
@@ -202,6 +226,12 @@ class GatewayService:
                         group, [self.reply_topic], offset_reset="latest", on_assign=self._on_assign
                     )
                 records = consumer.poll(self._poll_timeout_s)
+                for record in records:
+                    positions[record.tp] = record.offset + 1
+                if positions and time.monotonic() - committed_at >= REPLY_COMMIT_INTERVAL_S:
+                    consumer.commit(dict(positions), wait=False)
+                    positions.clear()
+                    committed_at = time.monotonic()
                 self._last_poll_ok = time.monotonic()
                 self._poll_error = None
                 if self._assigned.is_set():
@@ -253,19 +283,8 @@ class GatewayService:
             logger.exception("terminal hook failed request_id=%s", delta.request_id)
 
     def _accept(self, track: Track, generation: Generation, delta: TokenDelta) -> None:
-        if delta.attempt < track.attempt:
-            logger.info(
-                "fenced delta request_id=%s attempt=%s < %s",
-                delta.request_id,
-                delta.attempt,
-                track.attempt,
-            )
+        if not accept(track, delta):
             return
-        if delta.attempt > track.attempt:
-            track.attempt, track.last_seq_no = delta.attempt, -1
-        elif delta.seq_no <= track.last_seq_no:
-            return  # redelivered
-        track.last_seq_no = delta.seq_no
         generation.take(track, delta)
         if track.done:
             self._tracks.pop(track.request_id, None)

@@ -4,7 +4,8 @@
   spec version), so a closed connection ends the generator at once and its `finally`
   publishes the Cancel.
 - `until_disconnect` does the same for a non-streaming answer still being generated.
-- `ws_session` runs the Responses WebSocket mode over one connection.
+- `WsSession` runs the Responses WebSocket mode over one connection; `ws_refusal` says
+  why a handshake is refused (an `Origin` outside the allow-list).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -22,8 +25,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from api.errors import error_for_finish
+from api.errors import APIError, error_for_finish
 from api.generation import ChoiceResult, Generation, StreamEvent
+from api.schemas import invalid_unicode_at
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,8 +37,19 @@ PING = ": ping\n\n"
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
+def wire_json(payload: dict[str, Any]) -> str:
+    """One event as compact JSON, the text of every SSE data line and WebSocket frame.
+
+    ASCII only: clients that split lines like `str.splitlines` (httpx's `iter_lines`)
+    break a raw U+0085, U+2028 or U+2029 in two. Escaping all non-ASCII costs less CPU
+    than escaping just those three (no scan, and the UTF-8 encode is a copy), and a few
+    bytes per non-ASCII character.
+    """
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=True)
+
+
 def sse_data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {wire_json(payload)}\n\n"
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -104,32 +119,96 @@ async def collect_answer(request: Request, generation: Generation) -> list[Choic
 
 
 # -- Responses WebSocket mode --------------------------------------------------------------
-EventSource = Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+# One event's source: the event and its call id (hex; its request id is `req_<hex>`).
+EventSource = Callable[[dict[str, Any], str], AsyncIterator[dict[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """One event in a lane: run it through the source, or answer its `error`."""
+
+    event: dict[str, Any]
+    call_id: str
+    error: dict[str, Any] | None = None
+
+
+_Lane = asyncio.Queue[_Work]  # the events of one stream_id, in order
+
+# RFC 6455 close codes
+POLICY_VIOLATION = 1008
+UNSUPPORTED_DATA = 1003
+_MAX_REASON_BYTES = 123  # what a close frame's reason can hold
+
+
+def ws_refusal(websocket: WebSocket) -> str | None:
+    """Why this handshake is refused before authentication, or None.
+
+    Browsers send `Origin`; one outside `app.state.ws_allowed_origins` is refused, so a
+    page on another site cannot drive the API with a user's cookies or local network
+    access. Other clients send no Origin and pass; an empty or absent list allows all.
+    """
+    allowed = getattr(websocket.app.state, "ws_allowed_origins", None)
+    origin = websocket.headers.get("origin")
+    if not allowed or origin is None:
+        return None
+    if _origin_key(origin) in {_origin_key(o) for o in allowed}:
+        return None
+    return f"origin {origin[:60]!r} is not allowed"
+
+
+def _origin_key(origin: str) -> str:
+    return origin.strip().rstrip("/").lower()
+
+
+async def refuse_handshake(websocket: WebSocket, reason: str) -> None:
+    """Close before accepting: the server answers the handshake with HTTP 403.
+
+    Not a denial response with a JSON body: uvicorn's default (sans-I/O) protocol logs
+    each one as an ERROR "returned without completing handshake".
+    """
+    request_id = websocket.scope.get("state", {}).get("request_id")
+    logger.info("websocket refused request_id=%s: %s", request_id, reason)
+    await websocket.close(POLICY_VIOLATION, _close_reason(reason))
+
+
+def _close_reason(reason: str) -> str:
+    return reason.encode()[:_MAX_REASON_BYTES].decode(errors="ignore")
 
 
 class WsSession:
     """One Responses WebSocket connection: `response.create` in, stream events out.
 
     Each `stream_id` (None included) is a lane whose creates run in order; lanes run
-    side by side. When the socket closes, every running response is cancelled.
+    side by side. A bad event gets an `error` event and its lane goes on to the next;
+    a binary frame closes the socket (1003). When the socket closes, every running
+    response is cancelled.
     """
 
     def __init__(self, websocket: WebSocket, source: EventSource) -> None:
         self._ws = websocket
         self._source = source
         self._send_lock = asyncio.Lock()
-        self._lanes: dict[str | None, asyncio.Queue[dict[str, Any]]] = {}
+        self._lanes: dict[str | None, _Lane] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._request_id = websocket.scope.get("state", {}).get("request_id")
 
     async def send(self, event: dict[str, Any]) -> None:
         async with self._send_lock:
-            await self._ws.send_text(json.dumps(event, separators=(",", ":"), ensure_ascii=False))
+            await self._ws.send_text(wire_json(event))
 
     async def run(self) -> None:
         try:
             while True:
-                raw = await self._ws.receive_text()
-                await self._dispatch(raw)
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                if text is None:
+                    logger.info("websocket binary frame request_id=%s: closing", self._request_id)
+                    reason = "binary frames are not supported; send JSON text frames"
+                    await self._ws.close(UNSUPPORTED_DATA, reason)
+                    return
+                await self._dispatch(text)
         except WebSocketDisconnect:
             pass
         finally:
@@ -143,32 +222,66 @@ class WsSession:
         except ValueError:
             await self.send(ws_error(400, "the message is not valid JSON", "invalid_json"))
             return
-        if not isinstance(event, dict) or event.get("type") != "response.create":
-            kind = event.get("type") if isinstance(event, dict) else None
-            await self.send(
-                ws_error(
-                    400,
-                    f"unsupported event type {kind!r}; send response.create",
-                    "unsupported_event",
-                )
-            )
+        if not isinstance(event, dict):
+            await self.send(ws_error(400, "the message must be a JSON object", "invalid_json"))
             return
+        # a lone surrogate (`"\ud800"`) fails later, in the tokenizer or when echoed back
+        where = invalid_unicode_at(event)
         lane_key = event.get("stream_id")
-        lane_key = lane_key if isinstance(lane_key, str) else None
+        if not isinstance(lane_key, str) or invalid_unicode_at(lane_key) is not None:
+            lane_key = None
+        error = None
+        if where is not None:
+            message = f"{where} is not valid Unicode (it holds a lone surrogate)"
+            error = ws_error(400, message, "invalid_value", where)
+        elif event.get("type") != "response.create":
+            message = f"unsupported event type {event.get('type')!r}; send response.create"
+            error = ws_error(400, message, "unsupported_event")
         queue = self._lanes.get(lane_key)
         if queue is None:
             queue = self._lanes[lane_key] = asyncio.Queue()
-            self._tasks.append(asyncio.create_task(self._lane(queue)))
-        queue.put_nowait(event)
+            self._tasks.append(asyncio.create_task(self._lane(queue, lane_key)))
+        # errors too go through the lane: a client reads its lane's answers in order
+        queue.put_nowait(_Work(event, uuid.uuid4().hex, error))
 
-    async def _lane(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
+    async def _lane(self, queue: _Lane, key: str | None) -> None:
         while True:
-            event = await queue.get()
-            stream_id = event.get("stream_id")
-            async for out in self._source(event):
-                if stream_id is not None:
-                    out = {**out, "stream_id": stream_id}
-                await self.send(out)
+            work = await queue.get()
+            try:
+                if work.error is not None:
+                    await self.send(_tagged(work.error, key))
+                    continue
+                async for out in self._source(work.event, work.call_id):
+                    await self.send(_tagged(out, key))
+            except WebSocketDisconnect:
+                return  # the reader sees the close and cancels the other lanes
+            except Exception as exc:
+                # one event's failure answers that event, never the lane or the socket
+                if not await self._answer_failure(exc, work.call_id, key):
+                    return
+
+    async def _answer_failure(self, exc: Exception, call_id: str, key: str | None) -> bool:
+        """Log and send an `error` event for a failed event; False if the socket is gone."""
+        if isinstance(exc, APIError):
+            logger.info("websocket event failed request_id=req_%s: %s", call_id, exc.message)
+            error = ws_error(exc.status_code, exc.message, exc.code, exc.param)
+        else:
+            logger.exception(
+                "websocket event failed request_id=req_%s connection=%s",
+                call_id,
+                self._request_id,
+            )
+            message = f"the server failed to handle this event (request id req_{call_id})"
+            error = ws_error(500, message, "server_error")
+        try:
+            await self.send(_tagged(error, key))
+        except (WebSocketDisconnect, RuntimeError):  # closed meanwhile
+            return False
+        return True
+
+
+def _tagged(event: dict[str, Any], stream_id: str | None) -> dict[str, Any]:
+    return event if stream_id is None else {**event, "stream_id": stream_id}
 
 
 def ws_error(

@@ -1,6 +1,6 @@
 """Tenancy at the gateway: tenant keys → Principal, admission before publish, settlement.
 
-The gateway's adapter over `billing.admission.AdmissionService` (DESIGN.md §8):
+The gateway's adapter over `billing.admission.AdmissionService` (docs/architecture.md §8):
 
 - `TenantAuthenticator`: a bearer key is looked up in the tenant store (hashed keys,
   constant-time compare inside billing). Unknown, revoked and malformed keys get the
@@ -28,6 +28,7 @@ The gateway's adapter over `billing.admission.AdmissionService` (DESIGN.md §8):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -51,6 +52,7 @@ from billing import errors as billing_errors
 from billing.admission import AdmissionService
 from billing.quotas import Decision
 from bus.messages import GenerateRequest, TokenDelta
+from tracing.metrics import count_admission
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,11 @@ class TenantAuthenticator:
                 return await self._static.authenticate(api_key)
             raise AuthenticationFailed("incorrect API key provided") from None
         except billing_errors.StoreUnavailable as exc:
+            # the static keys stay valid through an outage if the store was empty when
+            # last seen (a tenant created meanwhile takes over once it answers again)
+            if self._static is not None and self._empty is not None and self._empty[1]:
+                with contextlib.suppress(AuthenticationFailed):
+                    return await self._static.authenticate(api_key)
             raise ServiceUnavailable(
                 "the API key store is unavailable; retry shortly", code="auth_unavailable"
             ) from exc
@@ -98,7 +105,12 @@ class TenantAuthenticator:
         now = time.monotonic()
         if self._empty is None or self._empty[0] <= now:
             db = self._admission.auth.db
-            empty = not await asyncio.to_thread(admin.has_tenants, db)
+            try:
+                empty = not await asyncio.to_thread(admin.has_tenants, db)
+            except billing_errors.StoreUnavailable:
+                if self._empty is None:
+                    raise
+                return self._empty[1]  # the last answer serves through an outage
             self._empty = (now + self._empty_check_ttl_s, empty)
         return self._empty[1]
 
@@ -139,12 +151,14 @@ class GatewayAdmission:
     ) -> Generation:  # fmt: skip
         """Admit, publish, and track; raises 429/503 before anything is published."""
         if principal.limits is None:
+            count_admission("admitted", "unlimited", len(requests))
             return await self.service.submit(requests, deadline_ms)
         headers = await asyncio.to_thread(self._admit_all, principal, requests)
         conn.scope.setdefault("state", {})[RATELIMIT_STATE] = headers
         try:
             return await self.service.submit(requests, deadline_ms)
-        except ServiceUnavailable:
+        except BaseException:
+            # any failure after admission gives back what admission took
             for request in self.service.forget_terminals(requests):
                 await asyncio.to_thread(self._release, request)
             raise
@@ -155,8 +169,14 @@ class GatewayAdmission:
         admitted: list[GenerateRequest] = []
         decision: Decision | None = None
         for request in requests:
-            decision = self._admit(principal, request)
+            try:
+                decision = self._admit(principal, request)
+            except ServiceUnavailable:
+                count_admission("rejected", "store_unavailable", len(requests))
+                raise
             if not decision.allowed:
+                # the call's sub-requests are all turned away, by this limit
+                count_admission("rejected", decision.reason or "rate_limit", len(requests))
                 for done in admitted:
                     self._release(done)
                 logger.info(
@@ -166,15 +186,14 @@ class GatewayAdmission:
                 raise denial(decision)
             admitted.append(request)
         assert decision is not None
+        count_admission("admitted", "within_limits", len(requests))
         return decision.headers()
 
     def _admit(self, principal: Principal, request: GenerateRequest) -> Decision:
-        from billing.keys import Principal as TenantPrincipal
-
         assert principal.limits is not None and principal.key_id is not None
         try:
             return self.admission.admit(
-                TenantPrincipal(principal.tenant_id, principal.key_id, principal.limits),
+                principal,
                 request_id=request.request_id,
                 model=request.model,
                 prompt_tokens=len(request.prompt_token_ids),

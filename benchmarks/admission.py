@@ -27,12 +27,12 @@ from billing.prices import PriceBook, PriceCache
 from billing.quota_memory import MemoryQuotaStore
 from billing.quota_redis import RedisQuotaStore
 from billing.quotas import QuotaStore
-from billing.tenants import Limits, TenantRepository
+from billing.tenants import PlanLimits, TenantRepository
 from bus.messages import Usage
 from bus.topics import Lane
 
 TARGET_P99_MS = 3.0
-LIMITS = Limits(rpm=10**7, tpm=10**10, max_concurrency=10**6, monthly_budget_micros=10**13)
+LIMITS = PlanLimits(rpm=10**7, tpm=10**9, max_concurrency=10**6, monthly_budget_micros=10**13)
 
 
 def _ms(ns: int) -> float:

@@ -19,6 +19,7 @@ from bus.base import EventBus, TopicSpec
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.memory import MemoryEventBus
 from bus.tansu import TansuBroker
+from sluice.settings import BusSettings, load_settings
 
 
 def _consume(
@@ -104,7 +105,9 @@ def run(kafka_bootstrap: str | None = None, quick: bool = False) -> dict[str, An
     memory.close()
     with ExitStack() as stack:
         if kafka_bootstrap is None:
-            kafka_bootstrap = stack.enter_context(TansuBroker()).bootstrap
+            kafka_bootstrap = stack.enter_context(
+                TansuBroker(binary=load_settings(BusSettings).tansu_bin)
+            ).bootstrap
             result["kafka_broker"] = "tansu (started for this run)"
         else:
             result["kafka_broker"] = kafka_bootstrap

@@ -26,9 +26,11 @@ import torch
 
 from benchmarks import engine_peers as peers
 from engine.backends.base import EngineRequest
+from engine.backends.torch_backend import apply_process_options
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, default_data_dir, load_model, resolve_model_dir
+from engine.loader import LoadedModel, load_model, resolve_model_dir
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, compute_dtype
 from engine.sampling import SamplingParams
 
@@ -41,6 +43,15 @@ BENCH_MODEL = {
     "intermediate_size": 1408,
     "vocab_size": 32000,
 }
+
+
+@functools.cache
+def engine_options() -> EngineOptions:
+    """The runtime options `sluice` serves with, from the settings (so
+    SLUICE_ENGINE_PREPACK=0 and the like compare against them), with 2 torch threads."""
+    from sluice.settings import ModelSettings, load_settings
+
+    return load_settings(ModelSettings).engine_options(torch_threads=2, cpus=None)
 
 
 def mixed_workload(n: int, max_prompt: int, max_out: int, vocab: int) -> tuple[list, list]:
@@ -66,7 +77,7 @@ class SluiceRun:
             max_model_len=4096,
             enable_prefix_caching=prefix_caching,
         )
-        self.runner = ModelRunner(lm.model, self.config)
+        self.runner = ModelRunner(lm.model, self.config, engine_options())
         self.core = EngineCore(
             self.config,
             self.runner,
@@ -211,10 +222,14 @@ def run(
     gguf_q8: str | None = None,
 ) -> dict:
     """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp."""
-    torch.set_num_threads(2)
+    apply_process_options(engine_options())  # this process is the benchmark's root
     torch.manual_seed(0)
     if model is None:
-        path = resolve_model_dir("tiny-llama", data_dir or default_data_dir(), BENCH_MODEL)
+        from sluice.settings import CommonSettings, load_settings
+
+        path = resolve_model_dir(
+            "tiny-llama", data_dir or load_settings(CommonSettings).data_dir, BENCH_MODEL
+        )
     else:
         path = Path(model)
     lm = load_model(path, dtype=dtype)
@@ -231,9 +246,9 @@ def run(
         "threads": torch.get_num_threads(),
         # what Sluice computes in: fp32 for a bf16/fp16 checkpoint on a CPU without native
         # bf16/fp16 (the weights keep the checkpoint's values; HF computes in `dtype`)
-        "sluice_compute_dtype": str(compute_dtype(lm.dtype, torch.device("cpu"))).removeprefix(
-            "torch."
-        ),
+        "sluice_compute_dtype": str(
+            compute_dtype(lm.dtype, torch.device("cpu"), engine_options().cpu_upcast)
+        ).removeprefix("torch."),
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "workloads": {
             "batch1": _bench_batch1(lm, lm_int8, hf, dtype, quick, vocab, ggufs),

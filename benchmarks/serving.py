@@ -35,6 +35,7 @@ from bus.kafka import KafkaEventBus
 from bus.tansu import TansuBroker
 from bus.topics import TopicLayout
 from engine.cpus import CpuLayout, pin_process, plan_layout
+from sluice.settings import BusSettings, CommonSettings, load_settings
 
 TARGETS = {
     "throughput_ratio_min": 0.90,
@@ -149,20 +150,22 @@ async def _gateway(bus: KafkaEventBus) -> AsyncIterator[runs.PipelineClient]:
 async def _run_async(
     quick: bool, bootstrap: str, data_dir: str, layout: CpuLayout | None
 ) -> dict[str, Any]:
-    from engine.backends.torch_backend import TorchEngineBackend
+    from engine.backends.torch_backend import TorchEngineBackend, apply_process_options
     from sluice.wiring import freeze_heap
 
-    procs.set_threads(procs.worker_threads())
     engine_cpus = layout.engine if layout else None
+    # the direct arm: the same engine on the same cores as the worker's, alone in this
+    # process (no worker lowers its priority)
+    options = procs.engine_options(engine_cpus, thread_nice=None)
+    apply_process_options(options)
     group_id = f"bench-engine-{uuid.uuid4().hex[:8]}"
     worker = procs.start_worker(bootstrap, data_dir, group_id, engine_cpus)
     bus = KafkaEventBus(procs.kafka_config(bootstrap, "sluice-bench-gateway"))
     direct: runs.DirectClient | None = None
     try:
         backend = TorchEngineBackend.from_model(
-            "tiny-llama", config=procs.engine_config(), data_dir=data_dir
+            "tiny-llama", config=procs.engine_config(), data_dir=data_dir, options=options
         )
-        backend.thread_cpus = engine_cpus  # the same cores as the worker's engine
         direct = runs.DirectClient(backend)
         await direct.start()
         await asyncio.to_thread(worker.wait_ready, 120.0)
@@ -257,9 +260,7 @@ def run(
     one core for everything else did (one run each, same hour: priority 0.995 unpinned
     against 1.28-1.52 pinned, throughput 1.09 against 0.88-1.04).
     """
-    from engine.loader import default_data_dir
-
-    data_dir = str(data_dir or default_data_dir())
+    data_dir = str(data_dir or load_settings(CommonSettings).data_dir)
     started = time.perf_counter()
     layout = plan_layout(engine_cpus, procs.worker_threads())
     if layout is not None:
@@ -267,7 +268,9 @@ def run(
     with ExitStack() as stack:
         broker = "tansu (started for this run)"
         if kafka_bootstrap is None:
-            kafka_bootstrap = stack.enter_context(TansuBroker()).bootstrap
+            kafka_bootstrap = stack.enter_context(
+                TansuBroker(binary=load_settings(BusSettings).tansu_bin)
+            ).bootstrap
         else:
             broker = kafka_bootstrap
         result = asyncio.run(_run_async(quick, kafka_bootstrap, data_dir, layout))

@@ -63,10 +63,16 @@ def engine_process() -> bool:
     return load_settings(ModelSettings).engine_process
 
 
-def set_threads(num_threads: int) -> None:
-    import torch
+def engine_options(cpus: frozenset[int] | None, **overrides: Any) -> Any:
+    """The engine's runtime options as `sluice worker engine` builds them from the
+    settings (SLUICE_ENGINE_KERNELS, SLUICE_ENGINE_PREPACK, ...), on CPU with
+    `worker_threads()` threads and the engine on `cpus`; `overrides` replace fields."""
+    import dataclasses
 
-    torch.set_num_threads(num_threads)
+    from sluice.settings import ModelSettings, load_settings
+
+    options = load_settings(ModelSettings).engine_options(worker_threads(), cpus)
+    return dataclasses.replace(options, **overrides)
 
 
 def _worker_main(
@@ -77,9 +83,16 @@ def _worker_main(
     ready: MpEvent,
     stop: MpEvent,
 ) -> None:
+    from engine.backends.torch_backend import apply_process_options
+    from engine.options import apply_switch_interval
     from sluice.wiring import freeze_heap
 
-    set_threads(worker_threads())
+    # this process is a composition root: its process-wide effects as `sluice worker
+    # engine` applies them (`sluice.wiring.apply_process_effects`); it started on the
+    # other cores, and the engine (its thread, or its process) moves to `engine_cpus`
+    options = engine_options(engine_cpus)
+    apply_switch_interval(options)
+    apply_process_options(options)
     from consumers.engine_worker import EngineWorker, EngineWorkerConfig
     from consumers.progress import MemoryProgressStore
     from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
@@ -89,13 +102,12 @@ def _worker_main(
     bus.create_topics(TopicLayout().specs())
     backend: Any
     if engine_process():  # as `sluice worker engine` runs it
-        spec = EngineSpec("tiny-llama", engine_config(), data_dir, torch_threads=worker_threads())
+        spec = EngineSpec("tiny-llama", engine_config(), data_dir, options=options)
         backend = ProcessEngineBackend(spec)
     else:
         backend = TorchEngineBackend.from_model(
-            "tiny-llama", config=engine_config(), data_dir=data_dir
+            "tiny-llama", config=engine_config(), data_dir=data_dir, options=options
         )
-    backend.thread_cpus = engine_cpus  # this process started on the other cores
     worker = EngineWorker(
         bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
     )

@@ -20,7 +20,7 @@ from billing.keys import KeyInfo, KeyRepository
 from billing.models import Tenant
 from billing.prices import Price, PriceBook
 from billing.reports import Report, usage_report
-from billing.tenants import Limits, TenantInfo, TenantRepository, micros_to_usd, usd_to_micros
+from billing.tenants import PlanLimits, TenantInfo, TenantRepository, micros_to_usd, usd_to_micros
 
 Row = dict[str, Any]
 
@@ -79,7 +79,7 @@ def create_tenant(
 ) -> Row:
     """A tenant with its own plan and a first key named "default" (plaintext shown once)."""
     budget = usd_to_micros(monthly_budget_usd) if monthly_budget_usd is not None else None
-    tenant = TenantRepository(db).create(name, Limits(rpm, tpm, max_concurrency, budget))
+    tenant = TenantRepository(db).create(name, PlanLimits(rpm, tpm, max_concurrency, budget))
     key = KeyRepository(db).create(tenant.tenant_id, name="default")
     return {**tenant_row(tenant), "key_id": key.key_id, "api_key": key.api_key}
 

@@ -1,6 +1,6 @@
 """What the gateway calls: authenticate a bearer key, admit a request, settle it.
 
-Flow (DESIGN.md §1, §8):
+Flow (docs/architecture.md §1, §8):
 1. `principal = admission.authenticate(authorization_header)` → AuthenticationFailed → 401.
 2. `decision = admission.admit(principal, request_id=…, model=…, prompt_tokens=…,
    max_tokens=…)`; send `decision.headers()` on every response; when not
@@ -99,6 +99,8 @@ class AdmissionService:
         reservation = Reservation(
             principal.tenant_id, request_id, attempt, prompt_tokens + max_tokens, estimate
         )
+        if principal.limits is None:
+            raise ValueError(f"tenant {principal.tenant_id!r}: admission needs its plan limits")
         return self.quotas.admit(principal.limits, reservation)
 
     def settle_terminal(

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from billing.db import Database
-from billing.errors import AuthenticationFailed, NotFound
+from billing.errors import AuthenticationFailed, NotFound, StoreUnavailable
 from billing.models import ApiKey, Plan, Tenant, utcnow
-from billing.tenants import Limits, TenantRepository, new_id
+from billing.tenants import PlanLimits, TenantRepository, check_text, is_storable, new_id
 
 KEY_PREFIX = "sk-sluice-"
 _KEY_RE = re.compile(r"^sk-sluice-([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
@@ -50,11 +50,15 @@ def generate_key() -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a bearer token belongs to: what admission and every route need."""
+    """The caller, as admission and every route see it; tenant_id is also the cache salt.
+
+    From the tenant store it carries the key and the tenant's plan `limits`; a static
+    gateway key (`api.auth.StaticKeyAuthenticator`) has no plan: limits None, no admission
+    limits apply."""
 
     tenant_id: str
-    key_id: str
-    limits: Limits
+    key_id: str | None = None
+    limits: PlanLimits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,8 @@ class KeyRepository:
 
     def create(self, tenant: str, name: str | None = None) -> CreatedKey:
         """A new key for the tenant named (or with id) `tenant`."""
+        if name is not None:
+            name = check_text(name, "key name")
         with self.db.session() as session:
             info = TenantRepository.resolve(session, tenant)
             prefix, plaintext = generate_key()
@@ -124,7 +130,7 @@ class KeyRepository:
     def revoke(self, key_id: str) -> None:
         """Idempotent; effective on every gateway within the auth cache TTL."""
         with self.db.session() as session:
-            key = session.get(ApiKey, key_id)
+            key = session.get(ApiKey, key_id) if is_storable(key_id) else None
             if key is None:
                 raise NotFound(f"no API key with id {key_id!r}")
             if key.revoked_at is None:
@@ -139,11 +145,15 @@ class KeyAuthenticator:
         db: Database,
         *,
         cache_ttl_s: float = 5.0,
+        stale_ttl_s: float = 300.0,
         max_cache_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
         self.cache_ttl_s = cache_ttl_s
+        # While the database is down, a key seen this recently still authenticates: an
+        # outage of the store must not lock out every tenant (revocations wait for it).
+        self.stale_ttl_s = stale_ttl_s
         self.max_cache_entries = max_cache_entries
         self._clock = clock
         self._cache: dict[str, tuple[float, Principal]] = {}
@@ -157,7 +167,12 @@ class KeyAuthenticator:
             hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
             return hit[1]
-        principal = self._lookup(token, digest)
+        try:
+            principal = self._lookup(token, digest)
+        except StoreUnavailable:
+            if hit is not None and hit[0] + self.stale_ttl_s > now:
+                return hit[1]
+            raise
         with self._lock:
             if len(self._cache) >= self.max_cache_entries:
                 self._cache.clear()
@@ -187,7 +202,7 @@ class KeyAuthenticator:
             last = key.last_used_at
             if last is None or now - _aware(last) > LAST_USED_RESOLUTION:
                 key.last_used_at = now
-            return Principal(key.tenant_id, key.id, Limits.of(plan))
+            return Principal(key.tenant_id, key.id, PlanLimits.of(plan))
 
 
 def _aware(value: dt.datetime) -> dt.datetime:

@@ -6,7 +6,8 @@ estimate and the new one is not (PostgreSQL and SQLite alike): a replayed or red
 record changes nothing, and an attempt's own record replaces the estimate a resuming
 worker published for it (`UsageRecord.estimated`). The price is read in the same
 transaction. A model missing from the price book is recorded with cost 0 and
-`priced = false` (never dropped: the tokens are still billed facts; reports count them).
+`priced = false` (never dropped: the tokens are still billed facts; reports count them),
+with one warning per model per process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from bus.topics import Lane
 
 logger = logging.getLogger(__name__)
 LEDGER: sa.Table = UsageEntry.__table__  # type: ignore[assignment]
+
+# models already warned about: an unpriced model would otherwise log on every request
+_warned_unpriced: set[str] = set()
 
 
 def is_batch(usage: UsageRecord) -> bool:
@@ -109,9 +113,11 @@ class UsageLedger:
             prices = load_prices(session)
             rows = [ledger_row(u, prices.get(u.model)) for u in usages]
             for usage in usages:
-                if usage.model not in prices:
+                if usage.model not in prices and usage.model not in _warned_unpriced:
+                    _warned_unpriced.add(usage.model)
                     logger.warning(
-                        "no price for model=%s request_id=%s tenant_id=%s: recorded unpriced",
+                        "no price for model=%s (first request_id=%s tenant_id=%s): recorded "
+                        "unpriced until `sluice prices set`; not repeated for this model",
                         usage.model,
                         usage.request_id,
                         usage.tenant_id,

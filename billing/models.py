@@ -11,6 +11,7 @@ totals: a derived counter could drift from the ledger, a query cannot.
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 
 import sqlalchemy as sa
@@ -33,7 +34,7 @@ class Base(DeclarativeBase):
 
 
 class Plan(Base):
-    """Limits; None means unlimited. Each tenant created by the CLI gets its own plan."""
+    """Plan limits; None means unlimited. Each tenant created by the CLI gets its own plan."""
 
     __tablename__ = "plans"
 
@@ -115,3 +116,83 @@ class UsageEntry(Base):
     # the resuming worker's count for a killed attempt (`UsageRecord.estimated`): the
     # attempt's own record replaces the row
     estimated: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+
+
+# -- batches (docs/architecture.md §14) -------------------------------------------------
+# Times are epoch seconds, as the OpenAI objects carry them.
+
+
+class StoredFile(Base):
+    """An uploaded batch input, or a batch's output or error file, with its bytes."""
+
+    __tablename__ = "files"
+    __table_args__ = (sa.Index(None, "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.String(100))
+    purpose: Mapped[str] = mapped_column(sa.String(32))
+    filename: Mapped[str] = mapped_column(sa.String(255))
+    bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    created_at: Mapped[int] = mapped_column(sa.BigInteger)
+    content: Mapped[builtins.bytes] = mapped_column(sa.LargeBinary)
+
+
+class BatchRow(Base):
+    """A batch's state: the OpenAI Batch object's fields plus what running it needs."""
+
+    __tablename__ = "batches"
+    __table_args__ = (sa.Index(None, "tenant_id", "created_at"), sa.Index(None, "status"))
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.String(100))
+    key_id: Mapped[str | None] = mapped_column(sa.String(100))
+    endpoint: Mapped[str] = mapped_column(sa.String(64))
+    model: Mapped[str | None] = mapped_column(sa.String(200))
+    input_file_id: Mapped[str] = mapped_column(sa.String(64))
+    completion_window: Mapped[str] = mapped_column(sa.String(16))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", sa.JSON)
+    errors: Mapped[list[dict[str, object]] | None] = mapped_column(sa.JSON)
+    output_file_id: Mapped[str | None] = mapped_column(sa.String(64))
+    error_file_id: Mapped[str | None] = mapped_column(sa.String(64))
+    created_at: Mapped[int] = mapped_column(sa.BigInteger)
+    expires_at: Mapped[int] = mapped_column(sa.BigInteger)
+    in_progress_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    finalizing_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    expired_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    cancelling_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    cancelled_at: Mapped[int | None] = mapped_column(sa.BigInteger)
+    total: Mapped[int] = mapped_column(sa.Integer, default=0)
+    completed: Mapped[int] = mapped_column(sa.Integer, default=0)
+    failed: Mapped[int] = mapped_column(sa.Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    # prompt + max_tokens of the lines not yet finished: the tenant's batch queue limit
+    enqueued_tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    # the step running the batch (validate, dispatch) and until when it holds it: a step
+    # whose process died stops renewing, and the sweep reruns it once this has passed
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
+    lease_until: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+
+class BatchLineRow(Base):
+    """One input line: its request, and once finished its output or error line."""
+
+    __tablename__ = "batch_lines"
+    __table_args__ = (sa.UniqueConstraint("batch_id", "custom_id"),)
+
+    batch_id: Mapped[str] = mapped_column(
+        sa.ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    line: Mapped[int] = mapped_column(sa.Integer, primary_key=True)  # 0-based input order
+    custom_id: Mapped[str] = mapped_column(sa.String(512))
+    body: Mapped[str] = mapped_column(sa.Text)  # the line's request body, as JSON
+    tokens: Mapped[int] = mapped_column(sa.Integer, default=0)  # prompt + max_tokens
+    requests: Mapped[int] = mapped_column(sa.Integer, default=1)  # sub-requests (n, prompts)
+    prompt_tokens: Mapped[int] = mapped_column(sa.Integer, default=0)  # each prompt once
+    state: Mapped[str] = mapped_column(sa.String(16), default="pending")
+    ok: Mapped[bool | None] = mapped_column(sa.Boolean)  # True: output file; False: error file
+    result: Mapped[str | None] = mapped_column(sa.Text)  # the output or error line, as JSON

@@ -19,9 +19,11 @@ import sqlalchemy as sa
 from billing.db import Database
 from billing.errors import BillingError, InvalidInput
 from billing.models import ModelPrice, utcnow
-from billing.tenants import to_decimal, usd_to_micros
+from billing.tenants import check_text, to_decimal, usd_to_micros
 
 PICOS_PER_MICRO = 1_000_000
+# Per million tokens: a million tokens at this price still fits the ledger's BigInteger.
+MAX_PRICE_USD = Decimal(1_000_000)
 BASIS_POINTS = 10_000
 
 
@@ -86,13 +88,11 @@ class PriceBook:
         output_usd: Decimal | str,
         batch_discount: Decimal | str = "0",
     ) -> Price:
-        if not model.strip():
-            raise InvalidInput("model name must not be empty")
         price = Price(
-            model.strip(),
-            usd_to_micros(input_usd),
-            usd_to_micros(cached_input_usd),
-            usd_to_micros(output_usd),
+            check_text(model, "model name"),
+            usd_to_micros(input_usd, MAX_PRICE_USD),
+            usd_to_micros(cached_input_usd, MAX_PRICE_USD),
+            usd_to_micros(output_usd, MAX_PRICE_USD),
             parse_discount(batch_discount),
         )
         with self.db.session() as session:

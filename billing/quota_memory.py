@@ -23,7 +23,7 @@ from billing.quotas import (
     month_of,
     ms_to_next_month,
 )
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 
 
 def wall_ms() -> int:
@@ -68,14 +68,14 @@ class MemoryQuotaStore:
         self._settled: dict[str, _Settled] = {}  # tenant + member -> dedupe entry
         self._lock = threading.Lock()
 
-    def admit(self, limits: Limits, reservation: Reservation) -> Decision:
+    def admit(self, limits: PlanLimits, reservation: Reservation) -> Decision:
         with self._lock:
             now = self._clock_ms()
             state = self._tenants.setdefault(reservation.tenant_id, _Tenant())
             self._purge(state, now)
             return self._admit(state, limits, reservation, now)
 
-    def _admit(self, state: _Tenant, limits: Limits, r: Reservation, now: int) -> Decision:
+    def _admit(self, state: _Tenant, limits: PlanLimits, r: Reservation, now: int) -> Decision:
         window = now // WINDOW_MS
         reset_tokens_ms = (window + 1) * WINDOW_MS - now
         used = state.tokens.get(window, 0)

@@ -42,7 +42,7 @@ from billing.quotas import (
     ms_to_next_month,
     scaled,
 )
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class RedisQuotaStore:
     def base(self, tenant_id: str) -> str:
         return f"{self.prefix}:{{{tenant_id}}}"
 
-    def admit(self, limits: Limits, reservation: Reservation) -> Decision:
+    def admit(self, limits: PlanLimits, reservation: Reservation) -> Decision:
         if time.monotonic() < self._down_until:
             return self._degraded(limits, reservation)
         r = reservation
@@ -229,7 +229,7 @@ class RedisQuotaStore:
             self.fallback.settle(s)
             raise StoreUnavailable(f"Redis quota store unavailable: {exc}") from exc
 
-    def _degraded(self, limits: Limits, reservation: Reservation) -> Decision:
+    def _degraded(self, limits: PlanLimits, reservation: Reservation) -> Decision:
         if limits.monthly_budget_micros is not None:
             return Decision(False, "unavailable", UNAVAILABLE_RETRY_S, degraded=True)
         local = self.fallback.admit(scaled(limits, self.fallback_replicas), reservation)
@@ -259,7 +259,7 @@ class RedisQuotaStore:
         self.client.close()
 
 
-def _limit_values(limits: Limits) -> tuple[int | None, ...]:
+def _limit_values(limits: PlanLimits) -> tuple[int | None, ...]:
     return (limits.rpm, limits.tpm, limits.max_concurrency, limits.monthly_budget_micros)
 
 

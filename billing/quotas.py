@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 
 DenyReason = Literal["requests", "tokens", "concurrency", "budget", "unavailable"]
 REASONS: tuple[DenyReason, ...] = ("requests", "tokens", "concurrency", "budget", "unavailable")
@@ -103,7 +103,7 @@ class Decision:
 class QuotaStore(Protocol):
     """Admission limits shared by every gateway; settled from the usage stream."""
 
-    def admit(self, limits: Limits, reservation: Reservation) -> Decision: ...
+    def admit(self, limits: PlanLimits, reservation: Reservation) -> Decision: ...
 
     def settle(self, settlement: Settlement) -> bool:
         """Apply actual usage once; False when this (request_id, attempt) was settled."""
@@ -137,17 +137,17 @@ def ms_to_next_month(now_ms: int) -> int:
     return max(1, int(start.timestamp() * 1000) - now_ms)
 
 
-def scaled(limits: Limits, replicas: int) -> Limits:
+def scaled(limits: PlanLimits, replicas: int) -> PlanLimits:
     """Per-process share of the rate limits for the local fallback; no budget."""
 
     def share(value: int | None) -> int | None:
         return value if not value else max(1, value // max(1, replicas))
 
-    return Limits(share(limits.rpm), share(limits.tpm), share(limits.max_concurrency), None)
+    return PlanLimits(share(limits.rpm), share(limits.tpm), share(limits.max_concurrency), None)
 
 
 def decision_from(
-    limits: Limits,
+    limits: PlanLimits,
     denials: list[tuple[DenyReason, int]],
     now_us: int,
     tat_us: int,

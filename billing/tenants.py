@@ -1,9 +1,10 @@
-"""Tenants and their plan limits (repository); the gateway reads `Limits` through auth."""
+"""Tenants and their plan limits (repository); the gateway reads `PlanLimits` through auth."""
 
 from __future__ import annotations
 
 import datetime as dt
 import secrets
+import unicodedata
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -15,10 +16,13 @@ from billing.errors import Conflict, InvalidInput, NotFound
 from billing.models import Plan, Tenant
 
 MICROS_PER_USD = 1_000_000
+# What the database columns hold: Integer limits, BigInteger micro-dollars.
+MAX_LIMIT = 2**31 - 1
+MAX_USD = Decimal(2**63 - 1) / MICROS_PER_USD
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class PlanLimits:
     """A tenant's limits; None means unlimited. Budget in micro-dollars per month."""
 
     rpm: int | None = None
@@ -31,9 +35,13 @@ class Limits:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidInput(f"{name} must be >= 0, got {value}")
+        for name in ("rpm", "tpm", "max_concurrency"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_LIMIT:
+                raise InvalidInput(f"{name} must be at most {MAX_LIMIT}, got {value}")
 
     @classmethod
-    def of(cls, plan: Plan) -> Limits:
+    def of(cls, plan: Plan) -> PlanLimits:
         return cls(plan.rpm, plan.tpm, plan.max_concurrency, plan.monthly_budget_micros)
 
 
@@ -41,17 +49,35 @@ class Limits:
 class TenantInfo:
     tenant_id: str
     name: str
-    limits: Limits
+    limits: PlanLimits
     created_at: dt.datetime
 
 
-def usd_to_micros(usd: Decimal | str) -> int:
+def usd_to_micros(usd: Decimal | str, max_usd: Decimal = MAX_USD) -> int:
     """Exact conversion; more than six decimals is refused rather than rounded."""
     value = to_decimal(usd)
+    # finiteness first: comparing a NaN raises, and a huge exponent overflows the product
+    if not value.is_finite() or value < 0 or value > max_usd:
+        raise InvalidInput(f"not an amount between 0 and {max_usd} USD: {usd}")
     micros = value * MICROS_PER_USD
-    if not value.is_finite() or micros != micros.to_integral_value() or value < 0:
-        raise InvalidInput(f"not a non-negative amount with at most 6 decimals: {usd}")
+    if micros != micros.to_integral_value():
+        raise InvalidInput(f"not an amount with at most 6 decimals: {usd}")
     return int(micros)
+
+
+def check_text(value: str, what: str, max_chars: int = 200) -> str:
+    """A name as the database can store it: stripped, 1-`max_chars` printable characters."""
+    value = value.strip()
+    if not value or len(value) > max_chars or not is_storable(value):
+        raise InvalidInput(
+            f"{what} must be 1-{max_chars} characters of valid Unicode, without control characters"
+        )
+    return value
+
+
+def is_storable(value: str) -> bool:
+    """No NUL or other control character, no lone surrogate (PostgreSQL refuses both)."""
+    return not any(unicodedata.category(c) in {"Cc", "Cs"} for c in value)
 
 
 def to_decimal(value: Decimal | str) -> Decimal:
@@ -73,10 +99,8 @@ class TenantRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, name: str, limits: Limits) -> TenantInfo:
-        name = name.strip()
-        if not name or len(name) > 200:
-            raise InvalidInput("tenant name must be 1-200 characters")
+    def create(self, name: str, limits: PlanLimits) -> TenantInfo:
+        name = check_text(name, "tenant name")
         with self.db.session() as session:
             if session.scalar(sa.select(Tenant.id).where(Tenant.name == name)) is not None:
                 raise Conflict(f"tenant {name!r} already exists")
@@ -100,7 +124,7 @@ class TenantRepository:
             rows = session.execute(
                 sa.select(Tenant, Plan).join(Plan, Tenant.plan_id == Plan.id).order_by(Tenant.name)
             ).all()
-            return [TenantInfo(t.id, t.name, Limits.of(p), t.created_at) for t, p in rows]
+            return [TenantInfo(t.id, t.name, PlanLimits.of(p), t.created_at) for t, p in rows]
 
     def get(self, name_or_id: str) -> TenantInfo:
         with self.db.session() as session:
@@ -108,6 +132,8 @@ class TenantRepository:
 
     @staticmethod
     def resolve(session: Session, name_or_id: str) -> TenantInfo:
+        if not is_storable(name_or_id):  # no such name can exist
+            raise NotFound(f"no tenant named or with id {name_or_id!r}")
         row = session.execute(
             sa.select(Tenant, Plan)
             .join(Plan, Tenant.plan_id == Plan.id)
@@ -116,4 +142,4 @@ class TenantRepository:
         if row is None:
             raise NotFound(f"no tenant named or with id {name_or_id!r}")
         tenant, plan = row
-        return TenantInfo(tenant.id, tenant.name, Limits.of(plan), tenant.created_at)
+        return TenantInfo(tenant.id, tenant.name, PlanLimits.of(plan), tenant.created_at)

@@ -92,6 +92,11 @@ class Consumer(Protocol):
 
     def paused(self) -> set[TopicPartition]: ...
 
+    def lag(self) -> dict[TopicPartition, int]:
+        """Records not yet consumed per assigned partition: the high watermark minus
+        this member's position (metrics; a partition it cannot tell of is left out)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -2,16 +2,14 @@
 distributed mode.
 
 The only module in Sluice that imports a Kafka client; client errors are translated into
-`bus.errors` here. Consumer timings follow DESIGN.md §9: short sessions and heartbeats so
-groups settle in seconds, and a small fetch wait because Tansu does not answer a waiting
+`bus.errors` here. Consumer timings (docs/architecture.md §2): short sessions and heartbeats
+so groups settle in seconds, and a small fetch wait because Tansu does not answer a waiting
 fetch early.
 
 Why librdkafka rather than kafka-python: its fetching, heartbeats and produce batching run
-in C threads, off the GIL and cheap when idle. Measured on the 2-core EPYC against Tansu
-(fetch wait 5 ms, Nagle off): an idle engine worker's two kafka-python consumers used 29 %
-of a core, two librdkafka consumers and a producer 3 %; a request→echo→reply round trip
-took p50 4.9 / p99 8.6 ms against 9-10 / 16-90 ms with kafka-python. Keys go to partitions
-by murmur2 (`partitioner=murmur2_random`), as Kafka's Java client and `bus.partitioner`.
+in C threads, off the GIL and cheap when idle (the comparison: benchmarks/RESULTS.md, bus).
+Keys go to partitions by murmur2 (`partitioner=murmur2_random`), as Kafka's Java client and
+`bus.partitioner`.
 """
 
 from __future__ import annotations
@@ -75,13 +73,17 @@ class KafkaConfig:
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 500
     max_poll_interval_ms: int = 60000
-    # Tansu holds a fetch with nothing to return this long, and answers each in ~0.5 ms
-    # of its CPU: one consumer idling at 5 ms cost it 0.13 of a core on the 2-core VM,
-    # at 20 ms 0.06, at 50 ms 0.03 (a consumer may ask for its own, `consumer(max_wait_ms)`)
+    # The broker holds an empty fetch this long: short so tokens are not held back, though
+    # each empty fetch costs the broker CPU (benchmarks/RESULTS.md); a consumer that
+    # carries no latency asks for a longer one (`consumer(max_wait_ms)`)
     fetch_max_wait_ms: int = 5
     linger_ms: int = 0
     request_timeout_ms: int = 15000
     acks: int | str = "all"
+    # A message not delivered within this fails instead of going out later: a publisher
+    # that tells its caller "not published" (the gateway's 503) must not have the request
+    # run and billed once the broker is back. None: librdkafka's 5 minutes.
+    message_timeout_ms: int | None = None
 
     @property
     def servers(self) -> list[str]:
@@ -130,6 +132,11 @@ class KafkaEventBus:
                     "linger.ms": config.linger_ms,
                     "request.timeout.ms": config.request_timeout_ms,
                     "message.send.max.retries": 5,
+                    **(
+                        {"message.timeout.ms": config.message_timeout_ms}
+                        if config.message_timeout_ms is not None
+                        else {}
+                    ),
                     "partitioner": "murmur2_random",
                 }
             )
@@ -144,7 +151,10 @@ class KafkaEventBus:
 
     def _serve_reports(self) -> None:
         while not self._closed.is_set():
-            self._producer.poll(0.05)  # in C, the GIL released while it waits
+            try:
+                self._producer.poll(0.05)  # in C, the GIL released while it waits
+            except Exception:  # a callback's error must not end every later report
+                logger.exception("a delivery report callback failed")
 
     # -- topics ---------------------------------------------------------------------
     def _partitions(self, topic: str) -> int | None:
@@ -208,6 +218,11 @@ class KafkaEventBus:
         future: Future[Delivered] = Future()
 
         def report(err: Any, msg: Any) -> None:
+            # a publisher that gave up waiting cancelled the future (asyncio.wrap_future
+            # cancels it with the awaiting task); setting it now would raise on the
+            # delivery thread and end it, and every later report with it
+            if not future.set_running_or_notify_cancel():
+                return
             if err is not None:
                 future.set_exception(DeliveryFailed(f"{topic}: {err}"))
             else:
@@ -351,6 +366,14 @@ class KafkaConsumer(Consumer):
 
     def _revoked(self, _consumer: Any, partitions: Any) -> None:
         tps = _tps(partitions)
+        if partitions:
+            # librdkafka keeps a partition paused through a rebalance, also one that comes
+            # back to this member, while `paused()` starts it afresh: one paused at a
+            # rebalance was never fetched again (a batch's last 144 lines sat unread)
+            try:
+                self._consumer.resume(partitions)
+            except ck.KafkaException as exc:
+                logger.warning("could not resume revoked partitions %s: %s", sorted(tps), exc)
         self._paused -= tps
         self._assignment -= tps
         if self._on_revoke is not None and tps:
@@ -421,6 +444,35 @@ class KafkaConsumer(Consumer):
 
     def paused(self) -> set[TopicPartition]:
         return self._paused & self.assignment()
+
+    def lag(self) -> dict[TopicPartition, int]:
+        """High watermark minus position. librdkafka caches a partition's high watermark
+        from its fetches, so a fetching partition costs no round trip; a paused one (or
+        one not fetched yet) is asked of the broker, since its cached mark stops moving
+        exactly while its backlog grows (the higher of the two marks counts: Tansu
+        answers the base offset of a partition's last batch). A partition with no
+        position yet (nothing consumed since the assignment) is left out."""
+        held = sorted(self.assignment())
+        if not held:
+            return {}
+        out: dict[TopicPartition, int] = {}
+        try:
+            positions = self._consumer.position(
+                [ck.TopicPartition(tp.topic, tp.partition) for tp in held]
+            )
+            for tp in positions:
+                if tp.offset < 0:
+                    continue
+                key = TopicPartition(tp.topic, tp.partition)
+                _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+                if high < 0 or key in self._paused:
+                    _low, asked = self._consumer.get_watermark_offsets(tp, timeout=1.0)
+                    high = max(high, asked)
+                if high >= 0:
+                    out[key] = max(0, high - tp.offset)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        return out
 
     def close(self) -> None:
         """Leave the group; on_revoke runs first, here, so it may still commit."""

@@ -1,9 +1,17 @@
 """`MemoryEventBus`: the in-process transport used by `sluice serve` and by tests.
 
-Implements the same contract as Kafka (DESIGN.md §2): partitions with offsets, consumer
+Implements the same contract as Kafka (docs/architecture.md §2): partitions with offsets, consumer
 groups whose members share the partitions, committed offsets, redelivery of uncommitted
 messages when a member leaves, pause/resume. A fake in the Dramatiq sense: a real
 implementation of `EventBus`, not a mock.
+
+Retention: `sluice serve` runs on this bus for days, so each partition keeps its newest
+`retention_records` (for a late group that replays the topic, as Kafka's size retention
+allows) and, older than those, only what some group may still read (see `_pin`). Offsets
+stay absolute: a trimmed log keeps the offset of its first record, Kafka's start offset.
+A group left without members keeps its commits for `empty_group_retention_s` (Kafka's
+offsets.retention.minutes), then is forgotten: a gateway's reply group, one per
+instance, is never joined again and must not pin its topic for good.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 from bus.base import (
@@ -30,6 +38,31 @@ from bus.partitioner import partition_for
 _member_ids = itertools.count(1)
 
 
+class _Log:
+    """One partition: the retained records and the absolute offset of the first one."""
+
+    __slots__ = ("base", "records")
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.records: list[Record] = []
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.records)
+
+    def read(self, offset: int, max_records: int) -> list[Record]:
+        start = offset - self.base
+        return self.records[start : start + max_records]
+
+    def trim(self, offset: int) -> None:
+        """Drop the records before `offset` (never past the end)."""
+        offset = min(offset, self.end)
+        if offset > self.base:
+            del self.records[: offset - self.base]
+            self.base = offset
+
+
 class _Group:
     """Membership, assignment and committed offsets of one consumer group."""
 
@@ -38,15 +71,25 @@ class _Group:
         self.generation = 0
         self.assignment: dict[int, set[TopicPartition]] = {}
         self.committed: dict[TopicPartition, int] = {}
+        self.empty_since: float | None = None  # when the last member left
 
 
 class MemoryEventBus:
     """All topics live in lists guarded by one condition variable."""
 
-    def __init__(self, default_partitions: int = 1) -> None:
+    def __init__(
+        self,
+        default_partitions: int = 1,
+        retention_records: int = 256,
+        empty_group_retention_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._default_partitions = default_partitions
+        self._retention_records = retention_records
+        self._empty_group_retention_s = empty_group_retention_s
+        self._clock = clock
         self._cond = threading.Condition()
-        self._logs: dict[str, list[list[Record]]] = {}
+        self._logs: dict[str, list[_Log]] = {}
         self._groups: dict[str, _Group] = {}
         self._closed = False
 
@@ -55,16 +98,16 @@ class MemoryEventBus:
         with self._cond:
             for spec in topics:
                 if spec.name not in self._logs:
-                    self._logs[spec.name] = [[] for _ in range(spec.num_partitions)]
+                    self._logs[spec.name] = [_Log() for _ in range(spec.num_partitions)]
 
     def num_partitions(self, topic: str) -> int:
         with self._cond:
             return len(self._partitions(topic))
 
-    def _partitions(self, topic: str) -> list[list[Record]]:
+    def _partitions(self, topic: str) -> list[_Log]:
         # Like a broker with auto-create on, an unknown topic appears with the default.
         if topic not in self._logs:
-            self._logs[topic] = [[] for _ in range(self._default_partitions)]
+            self._logs[topic] = [_Log() for _ in range(self._default_partitions)]
         return self._logs[topic]
 
     # -- producing ------------------------------------------------------------------
@@ -92,13 +135,14 @@ class MemoryEventBus:
             record = Record(
                 topic=topic,
                 partition=partition,
-                offset=len(log),
+                offset=log.end,
                 key=key,
                 value=value,
                 headers=list(headers or []),
                 timestamp_ms=int(time.time() * 1000),
             )
-            log.append(record)
+            log.records.append(record)
+            self._trim(TopicPartition(topic, partition))
             self._cond.notify_all()
         future.set_result(Delivered(topic, partition, record.offset))
         return future
@@ -123,6 +167,7 @@ class MemoryEventBus:
             group = self._groups.setdefault(group_id, _Group())
             member = MemoryConsumer(self, group, list(topics), offset_reset, on_assign, on_revoke)
             group.members[member.member_id] = member
+            group.empty_since = None
             self._rebalance(group)
             return member
 
@@ -141,8 +186,36 @@ class MemoryEventBus:
     def _leave(self, member: MemoryConsumer) -> None:
         with self._cond:
             group = member.group
-            if group.members.pop(member.member_id, None) is not None:
-                self._rebalance(group)
+            if group.members.pop(member.member_id, None) is None:
+                return
+            self._rebalance(group)
+            if not group.members:
+                group.empty_since = self._clock()
+                if not group.committed:  # it resumes nowhere: forget it now
+                    self._groups = {k: g for k, g in self._groups.items() if g is not group}
+            for topic in member.topics:
+                for p in range(len(self._partitions(topic))):
+                    self._trim(TopicPartition(topic, p))
+
+    # -- retention (callers hold the condition) ----------------------------------------
+    def _trim(self, tp: TopicPartition) -> None:
+        """Drop the records older than the retention window that no group will read."""
+        log = self._partitions(tp.topic)[tp.partition]
+        if len(log.records) <= self._retention_records:
+            return
+        self._expire_empty_groups()
+        pins = [pin for g in self._groups.values() if (pin := _pin(g, tp, log)) is not None]
+        log.trim(min([log.end - self._retention_records, *pins]))
+
+    def _expire_empty_groups(self) -> None:
+        horizon = self._clock() - self._empty_group_retention_s
+        expired = [
+            k
+            for k, g in self._groups.items()
+            if g.empty_since is not None and g.empty_since <= horizon
+        ]
+        for group_id in expired:
+            del self._groups[group_id]
 
     def close(self) -> None:
         with self._cond:
@@ -151,7 +224,38 @@ class MemoryEventBus:
 
     def end_offset(self, tp: TopicPartition) -> int:
         with self._cond:
-            return len(self._partitions(tp.topic)[tp.partition])
+            return self._partitions(tp.topic)[tp.partition].end
+
+    def start_offset(self, tp: TopicPartition) -> int:
+        """The oldest offset still retained (Kafka's log start offset)."""
+        with self._cond:
+            return self._partitions(tp.topic)[tp.partition].base
+
+    def num_retained(self, topic: str | None = None) -> int:
+        """Records held in memory, in `topic` or in all topics."""
+        with self._cond:
+            topics = list(self._logs) if topic is None else [topic]
+            return sum(len(log.records) for t in topics for log in self._partitions(t))
+
+
+def _pin(group: _Group, tp: TopicPartition, log: _Log) -> int | None:
+    """The lowest offset of `tp` that `group` may still read; None if it reads none.
+
+    A member that owns `tp` reads from its position, and after a rebalance the group
+    resumes at the committed offset, else at the reset point: 'latest' needs nothing
+    kept, 'earliest' needs the whole log. An owner not yet synced with the group's
+    generation has no position yet, so the log is kept from its start until it has.
+    """
+    committed = group.committed.get(tp)
+    owner = next((m for m in group.members.values() if tp in m.topic_partitions()), None)
+    if owner is None:
+        return committed
+    position = owner.position(tp)
+    if position is None:
+        return log.base if committed is None else committed
+    if committed is not None:
+        return min(committed, position)
+    return position if owner.offset_reset == "latest" else log.base
 
 
 class MemoryConsumer(Consumer):
@@ -170,7 +274,7 @@ class MemoryConsumer(Consumer):
         self.topics = topics
         self.group = group
         self._bus = bus
-        self._offset_reset = offset_reset
+        self.offset_reset = offset_reset
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._generation = 0
@@ -187,6 +291,7 @@ class MemoryConsumer(Consumer):
                 return
             new = set(group.assignment.get(self.member_id, set()))
             self._generation = group.generation
+            self._positions = {}  # none until the new ones are set below
         if self._assigned and self._on_revoke is not None:
             self._on_revoke(set(self._assigned))
         with bus._cond:
@@ -194,11 +299,12 @@ class MemoryConsumer(Consumer):
             self._paused &= new
             self._positions = {}
             for tp in new:
+                log = bus._partitions(tp.topic)[tp.partition]
                 committed = group.committed.get(tp)
                 if committed is None:
-                    end = len(bus._partitions(tp.topic)[tp.partition])
-                    committed = 0 if self._offset_reset == "earliest" else end
-                self._positions[tp] = committed
+                    committed = log.base if self.offset_reset == "earliest" else log.end
+                # a commit below the log's start resumes at the start, as Kafka's reset does
+                self._positions[tp] = max(committed, log.base)
         if new and self._on_assign is not None:
             self._on_assign(set(new))
 
@@ -225,13 +331,25 @@ class MemoryConsumer(Consumer):
         for tp in sorted(self._assigned - self._paused):
             log = self._bus._partitions(tp.topic)[tp.partition]
             pos = self._positions[tp]
-            if pos < len(log):
-                batch = log[pos : pos + max_records - len(out)]
+            if pos < log.end:
+                batch = log.read(pos, max_records - len(out))
                 out.extend(batch)
                 self._positions[tp] = pos + len(batch)
+                self._bus._trim(tp)  # what a group that never commits read may go now
                 if len(out) >= max_records:
                     break
         return out
+
+    # read by the bus's retention, under its condition
+    def topic_partitions(self) -> set[TopicPartition]:
+        """What the group assigned to this member at its current generation."""
+        return self.group.assignment.get(self.member_id, set())
+
+    def position(self, tp: TopicPartition) -> int | None:
+        """The next offset this member reads from `tp`; None until it has synced."""
+        if self._generation != self.group.generation:
+            return None
+        return self._positions.get(tp)
 
     def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
         # in memory a commit takes no time: both ways commit here and now
@@ -242,6 +360,8 @@ class MemoryConsumer(Consumer):
             if foreign:
                 raise CommitFailed(f"partitions not assigned to this member: {sorted(foreign)}")
             self.group.committed.update(offsets)
+            for tp in offsets:
+                self._bus._trim(tp)
 
     def committed(self, tp: TopicPartition) -> int | None:
         with self._bus._cond:
@@ -261,6 +381,15 @@ class MemoryConsumer(Consumer):
 
     def paused(self) -> set[TopicPartition]:
         return set(self._paused)
+
+    def lag(self) -> dict[TopicPartition, int]:
+        with self._bus._cond:
+            if self._generation != self.group.generation:
+                return {}
+            return {
+                tp: max(0, self._bus._partitions(tp.topic)[tp.partition].end - position)
+                for tp, position in self._positions.items()
+            }
 
     def close(self) -> None:
         """Leave the group; on_revoke runs first, so it may still commit."""

@@ -1,4 +1,4 @@
-"""Every message that crosses a process boundary (DESIGN.md §4), one module.
+"""Every message that crosses a process boundary (docs/architecture.md §4), one module.
 
 Pydantic models with `extra="forbid"` and a `schema_version`; serialized as compact JSON
 by `bus.codec`. Commands are imperative (`GenerateRequest`, `Cancel`); records of what
@@ -133,10 +133,12 @@ class Timings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    queued_ms: int
-    scheduled_ms: int | None = None
+    queued_ms: int  # the gateway built the request (just before publishing it)
+    scheduled_ms: int | None = None  # submitted to the engine
     first_token_ms: int | None = None
     finished_ms: int
+    received_ms: int | None = None  # the engine worker polled it off the bus
+    admitted_ms: int | None = None  # the worker took it from its fair queue
 
 
 class UsageRecord(Message):
@@ -146,7 +148,8 @@ class UsageRecord(Message):
     progress store confirms, a lower bound of what the attempt generated. The ledger and
     the quota store keep one per (request_id, attempt): a replay changes nothing, and the
     attempt's own record (its worker published it before dying, or was alive after all)
-    replaces an estimate, whichever arrives first, so billed = generated (DESIGN.md §5.4)."""
+    replaces an estimate, whichever arrives first, so billed = generated
+    (docs/architecture.md §5.4)."""
 
     request_id: str
     attempt: int = 0
@@ -164,7 +167,11 @@ class UsageRecord(Message):
 
 
 class TelemetryRecord(Message):
-    """Per-attempt timings for spans and metrics (tracing consumer)."""
+    """Per-attempt timings for spans and metrics (tracing consumer). Its headers carry the
+    trace context of the request record. The fields after `num_output_tokens` came later
+    and have defaults, so older records still decode; `estimated` marks the record of an
+    attempt whose worker died (published by the worker that resumed it, as its usage is:
+    no scheduling timings, the tokens the progress store confirms)."""
 
     request_id: str
     attempt: int = 0
@@ -175,3 +182,9 @@ class TelemetryRecord(Message):
     timings: Timings
     num_prompt_tokens: int
     num_output_tokens: int
+    key_id: str | None = None
+    batch_id: str | None = None
+    max_tokens: int | None = None
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    estimated: bool = False

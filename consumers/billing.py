@@ -2,7 +2,7 @@
 
 Runs under the shared consume loop (group `billing`, topic `sluice.usage.v1`). `handle`
 returns only after the ledger transaction has committed, and the loop commits offsets
-only after `handle` returns (DESIGN.md §5, invariant 2); a crash in between redelivers,
+only after `handle` returns (docs/architecture.md §5.2); a crash in between redelivers,
 and the ledger's primary key (request_id, attempt) turns the redelivery into a no-op.
 
 One transaction per record: the loop hands records over one at a time and has no
@@ -22,6 +22,7 @@ from bus.codec import decode_as
 from bus.messages import Message, UsageRecord
 from bus.topics import USAGE_TOPIC
 from consumers.loop import ConsumeLoop, LoopConfig
+from tracing.metrics import BillingLag
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class BillingHandler:
         self.ledger = ledger
         self.inserted = 0
         self.duplicates = 0
+        self.lag = BillingLag()  # sluice_billing_lag_seconds, sluice_tokens_billed_total
 
     def handle(self, message: Message, record: Record) -> None:
         if not isinstance(message, UsageRecord):
@@ -51,6 +53,7 @@ class BillingHandler:
         new = self.ledger.record([message])  # committed when this returns
         self.inserted += new
         self.duplicates += 1 - new
+        self.lag.billed(message, new=bool(new))
         if not new:
             logger.debug(
                 "duplicate usage ignored request_id=%s attempt=%s tenant_id=%s",

@@ -3,7 +3,9 @@
 A `Cancel` is broadcast to every engine worker; the one that holds the request aborts it
 at once. A request still queued on Kafka arrives later, possibly at another worker, so
 every worker remembers cancelled ids for a while (bounded and with a TTL) and answers
-such a request with a terminal 'abort' without running it.
+such a request with a terminal 'abort' without running it. A batch's lines may wait on
+the batch lane as long as its completion window, so a batch cancel is remembered that
+long (`batch_ttl_s`); there are few batches, so this costs little.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ class CancelRegistry:
         ttl_s: float = 600.0,
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
+        batch_ttl_s: float = 2 * 86_400.0,
     ) -> None:
         self.ttl_s = ttl_s
+        self.batch_ttl_s = batch_ttl_s
         self.max_entries = max_entries
         self._clock = clock
         # ("r", request_id) | ("b", batch_id) -> (tenant_id, expires_at)
@@ -36,13 +40,16 @@ class CancelRegistry:
     def add(self, cancel: Cancel) -> None:
         key = ("r", cancel.request_id) if cancel.request_id is not None else ("b", cancel.batch_id)
         assert key[1] is not None  # Cancel validates that exactly one id is set
-        self._entries[(key[0], key[1])] = (cancel.tenant_id, self._clock() + self.ttl_s)
+        ttl_s = self.ttl_s if key[0] == "r" else self.batch_ttl_s
+        self._entries[(key[0], key[1])] = (cancel.tenant_id, self._clock() + ttl_s)
         self._entries.move_to_end((key[0], key[1]))
         self.expire()
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
     def expire(self) -> None:
+        """Drop expired entries from the oldest on (a batch's long one may keep shorter
+        ones behind it a while; `is_cancelled` checks each entry's own expiry)."""
         now = self._clock()
         while self._entries:
             key, (_, expires_at) = next(iter(self._entries.items()))

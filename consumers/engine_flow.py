@@ -7,36 +7,50 @@ deltas go to the `StepPublisher`; once its terminal delta and usage record are
 confirmed its offset is done and the low watermark may pass it. Cancels, deadlines,
 fencing and lost partitions end items wherever they are, each with exactly one
 terminal delta (or none, when another member owns the request now) and one usage
-record per attempt that ran.
+record per attempt that ran. When the engine dies under a request and the worker
+restarts it, the request is an orphan until the engine is back, then goes back to the
+buffer and resumes as after a failover: a new attempt from its recorded progress.
+
+Each `on_*` method is an event; it picks the transitions of `consumers.work_item` that
+the event means for each item it touches, by the item's state, and does the effects
+(buffer, engine, publisher, offsets) that go with them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from bus.base import EventBus, Record, TopicPartition
 from bus.codec import decode_as
 from bus.errors import DecodeError
 from bus.messages import Cancel, GenerateRequest
-from bus.topics import reply_topic
-from consumers.admission import AdmissionBuffer
+from bus.topics import Lane, reply_topic
 from consumers.cancels import CancelRegistry, cancel_matches
-from consumers.engine_outputs import (
+from consumers.engine_outputs import superseded_telemetry, superseded_usage, unrun_terminal
+from consumers.engine_publisher import StepPublisher
+from consumers.fair_queue import FairQueue
+from consumers.loop import publish_dead_letter
+from consumers.offsets import OffsetTracker
+from consumers.progress import AttemptStart, ProgressStore, ProgressUnavailable
+from consumers.progress import call as progress_call
+from consumers.work_item import (
+    ABORTED,
+    DEADLINE,
+    FENCED,
+    FINISHED,
+    LENGTH,
+    LOST,
+    STOPPED,
+    EndKind,
+    EndReason,
     ItemState,
     WorkItem,
     now_ms,
-    superseded_usage,
-    unrun_terminal,
 )
-from consumers.engine_publisher import StepPublisher
-from consumers.loop import publish_dead_letter
-from consumers.offsets import OffsetTracker
-from consumers.progress import AttemptStart, ProgressStore
-from consumers.progress import call as progress_call
 from consumers.worker_requests import (
     LANE_PRIORITY,
     deadline_to_monotonic,
@@ -50,11 +64,53 @@ from engine.backends.base import (
     RequestRejectedError,
 )
 from engine.sampling import SamplingParamsError
-
-if TYPE_CHECKING:
-    from consumers.engine_worker import EngineWorkerConfig, WorkerStats
+from tracing.propagation import trace_headers
 
 logger = logging.getLogger(__name__)
+
+
+class FlowConfig(Protocol):
+    """What of `consumers.engine_worker.EngineWorkerConfig` the flow reads (a protocol,
+    so that the worker imports the flow and not the other way round)."""
+
+    @property
+    def lanes(self) -> Sequence[Lane]: ...
+    @property
+    def lane_weights(self) -> Mapping[Lane, int]: ...
+    @property
+    def tenant_quantum_tokens(self) -> int: ...
+    @property
+    def cancel_ttl_s(self) -> float: ...
+    @property
+    def max_cancelled(self) -> int: ...
+    @property
+    def reply_interval_s(self) -> float: ...
+    @property
+    def max_buffered_per_partition(self) -> int: ...
+    @property
+    def full_engine_lookahead(self) -> int: ...
+    @property
+    def max_in_engine(self) -> int: ...
+    @property
+    def max_engine_waiting(self) -> int: ...
+    @property
+    def max_kv_usage(self) -> float: ...
+    @property
+    def max_engine_deaths(self) -> int: ...
+
+
+class FlowStats(Protocol):
+    """The counters of `consumers.engine_worker.WorkerStats` the flow keeps."""
+
+    healthy: bool
+    buffered: int
+    in_engine: int
+    held: int
+    received: int
+    finished: int
+    cancelled: int
+    dead_lettered: int
+    fenced: int
 
 
 class RequestFlow:
@@ -64,11 +120,11 @@ class RequestFlow:
         self,
         bus: EventBus,
         backend: EngineBackend,
-        config: EngineWorkerConfig,
+        config: FlowConfig,
         progress: ProgressStore,
         io: Executor,
         worker_id: str,
-        stats: WorkerStats,
+        stats: FlowStats,
         on_engine_dead: Callable[[], None],
     ) -> None:
         self.bus = bus
@@ -78,12 +134,12 @@ class RequestFlow:
         self.worker_id = worker_id
         self.stats = stats
         self.stopping = False  # draining: admit nothing more
+        self.engine_up = True  # False while the worker restarts a dead engine
+        self.restarts_engine = False  # the worker restarts a dead engine (it can)
         self._io = io
         self._on_engine_dead = on_engine_dead
         weights = {lane.value: config.lane_weights.get(lane, 1) for lane in config.lanes}
-        self._buffer: AdmissionBuffer[WorkItem] = AdmissionBuffer(
-            weights, config.tenant_quantum_tokens
-        )
+        self._buffer: FairQueue[WorkItem] = FairQueue(weights, config.tenant_quantum_tokens)
         self._items: dict[str, WorkItem] = {}
         self.offsets = OffsetTracker()
         self._cancels = CancelRegistry(config.cancel_ttl_s, config.max_cancelled)
@@ -113,7 +169,7 @@ class RequestFlow:
 
     def pause_partitions(self, engine_full: bool) -> set[TopicPartition]:
         """Backpressure: partitions with enough buffered (a lookahead when the engine is full)."""
-        if self.stopping or not self.stats.healthy:
+        if self.stopping or not self.stats.healthy or not self.engine_up:
             return set(self._assigned)
         limit = self.config.max_buffered_per_partition
         if engine_full:
@@ -125,6 +181,7 @@ class RequestFlow:
 
     def tick(self) -> None:
         self._expire_buffered()
+        self._expire_orphans()
         self._cancels.expire()
         self.admit()
 
@@ -162,11 +219,12 @@ class RequestFlow:
         item = WorkItem(
             request, tp, record.offset, deadline_to_monotonic(request.deadline_ms), now_ms()
         )
+        item.trace_headers = trace_headers(record.headers)
         self._items[request.request_id] = item
         if self._cancels.is_cancelled(request):
-            self._answer_unrun([item], "abort")
+            self._answer_unrun([item], ABORTED)
         elif is_expired(item.deadline):
-            self._answer_unrun([item], "deadline")
+            self._answer_unrun([item], DEADLINE)
         else:
             self._buffer.push(item)
 
@@ -191,25 +249,31 @@ class RequestFlow:
             targets = list(self._items.values())
         for item in targets:
             if cancel_matches(cancel, item.request):
-                self._cancel(item, "abort")
+                self._cancel(item)
 
-    def _cancel(self, item: WorkItem, reason: str) -> None:
-        logger.info("request_id=%s tenant_id=%s %s in state %s", *_ids(item), reason, item.state)
+    def _cancel(self, item: WorkItem) -> None:
+        logger.info("request_id=%s tenant_id=%s abort in state %s", *_ids(item), item.state)
         self.stats.cancelled += 1
-        if item.state is ItemState.BUFFERED:
-            self._buffer.remove(item)
-            self._answer_unrun([item], reason)
-        elif item.state is ItemState.STARTING:
-            item.pending_reason = reason
-        elif item.state is ItemState.RUNNING:
-            self.backend.abort(item.request_id)
+        match item.state:
+            case ItemState.BUFFERED:
+                self._buffer.remove(item)
+                self._answer_unrun([item], ABORTED)
+            case ItemState.ORPHANED:  # waiting for the engine's restart: answer now
+                self._answer_unrun([item], ABORTED)
+            case ItemState.STARTING:  # `_start` answers it once its attempt began
+                item.stop(ABORTED)
+            case ItemState.RUNNING:  # the engine ends it with finish_reason 'abort'
+                item.stop(ABORTED)
+                self.backend.abort(item.request_id)
+            case ItemState.FINISHING | ItemState.DONE:
+                pass  # its terminal delta is on the way
 
     def _expire_buffered(self) -> None:
         expired = [i for i in self._buffer if is_expired(i.deadline)]
         for item in expired:
             self._buffer.remove(item)
         if expired:
-            self._answer_unrun(expired, "deadline")
+            self._answer_unrun(expired, DEADLINE)
 
     # -- rebalances -----------------------------------------------------------------------
     def on_assignment(self, partitions: set[TopicPartition]) -> None:
@@ -225,15 +289,17 @@ class RequestFlow:
     def _release_lost(self, item: WorkItem) -> None:
         """Another member owns this request now: stop without telling the client."""
         logger.info("request_id=%s tenant_id=%s partition lost; released", *_ids(item))
-        if item.state is ItemState.BUFFERED:
-            self._buffer.remove(item)
-            del self._items[item.request_id]
-        elif item.state is ItemState.FINISHING:
-            return  # its terminal delta is on the way; let it finish
-        else:
-            item.silent = True
-            item.pending_reason = "abort"
-            if item.state is ItemState.RUNNING:
+        match item.state:
+            case ItemState.BUFFERED:
+                self._buffer.remove(item)
+                item.done()
+                self._forget(item)
+            case ItemState.FINISHING | ItemState.DONE:
+                pass  # its terminal delta is on the way; let it finish
+            case ItemState.STARTING | ItemState.ORPHANED:  # ends at its next transition
+                item.stop(LOST)
+            case ItemState.RUNNING:
+                item.stop(LOST)
                 self.backend.abort(item.request_id)
 
     # -- admission ------------------------------------------------------------------------
@@ -247,14 +313,14 @@ class RequestFlow:
         return waiting >= config.max_engine_waiting or stats.kv_usage >= config.max_kv_usage
 
     def admit(self) -> None:
-        if self.stopping or not self.stats.healthy:
+        if self.stopping or not self.stats.healthy or not self.engine_up:
             return
         batch: list[WorkItem] = []
         while not self.engine_full(len(batch)):
             item = self._buffer.pop()
             if item is None:
                 break
-            item.state = ItemState.STARTING
+            item.start()
             batch.append(item)
         self._admit_urgent(batch)
         if batch:
@@ -274,8 +340,8 @@ class RequestFlow:
         enter while fewer than `max_engine_waiting` requests of its own lane wait in the
         engine for their first token; `max_in_engine` and `max_kv_usage` still hold.
         Counting its running requests instead held new ones in this buffer (and paused
-        the lane's partition) whenever 8 interactive requests were decoding: measured
-        beside a batch backlog, buffered p50 131 ms, p90 1.6 s.
+        the lane's partition) whenever 8 interactive requests were decoding
+        (benchmarks/RESULTS.md).
         """
         lane = min((lane.value for lane in self.config.lanes), key=lambda v: LANE_PRIORITY[v])
         if not self._buffer.count(lane):
@@ -295,32 +361,33 @@ class RequestFlow:
             item = self._buffer.pop(lane)
             if item is None:
                 return
-            item.state = ItemState.STARTING
+            item.start()
             batch.append(item)
             urgent += 1
 
     async def _begin(self, items: list[WorkItem]) -> list[AttemptStart]:
+        """Begin the items' attempts; raises ProgressUnavailable after 5 tries (3.1 s)."""
         requests = [(i.request_id, i.request.attempt) for i in items]
         for attempt in range(5):
             try:
                 return await progress_call(
                     self.progress, self._io, self.progress.begin_attempts, requests
                 )
-            except Exception as exc:
+            except ProgressUnavailable as exc:
                 logger.warning(
                     "worker=%s begin_attempts failed (%s): %s", self.worker_id, attempt, exc
                 )
                 await asyncio.sleep(0.1 * 2**attempt)
-        raise RuntimeError("progress store unavailable")
+        raise ProgressUnavailable(f"begin_attempts failed 5 times ({len(items)} requests)")
 
     async def _start(self, items: list[WorkItem]) -> None:
         try:
             starts = await self._begin(items)
-        except RuntimeError:  # the progress store is down: back to the buffer, retry later
+        except ProgressUnavailable:  # back to the buffer, retry later
             for item in items:
                 self._leave_engine(item)
-                if item.state is ItemState.STARTING and not item.silent:
-                    item.state = ItemState.BUFFERED
+                if not item.silent:  # a silent one stays held until its partition returns
+                    item.requeue()
                     self._buffer.push(item)
             return
         for item, start in zip(items, starts, strict=True):
@@ -331,7 +398,7 @@ class RequestFlow:
                 reason = self._submit(item)
             if reason is not None:
                 self._leave_engine(item)
-                self._finish_unrun(item, start, reason)
+                self._finish_unrun(item, reason)
         self.admit()
 
     def _bill_superseded(self, item: WorkItem, start: AttemptStart) -> None:
@@ -347,33 +414,41 @@ class RequestFlow:
             tokens,
         )
         self.publisher.publish_usage(superseded_usage(item, attempt, tokens))
+        self.publisher.publish_telemetry(
+            superseded_telemetry(item, attempt, tokens, self.worker_id), item.trace_headers
+        )
 
-    def _start_blocker(self, item: WorkItem, start: AttemptStart) -> str | None:
+    def _start_blocker(self, item: WorkItem, start: AttemptStart) -> EndReason | None:
+        """Why the attempt that just began ends before it runs, if it does."""
         if start.finished:
-            return "finished"
-        if item.pending_reason is not None:
-            return item.pending_reason
+            return FINISHED
+        if item.end is not None:
+            return item.end
         if is_expired(item.deadline):
-            return "deadline"
+            return DEADLINE
         if start.token_ids and len(start.token_ids) >= item.request.sampling.max_tokens:
-            return "length"
+            return LENGTH
         return None
 
-    def _submit(self, item: WorkItem) -> str | None:
+    def _submit(self, item: WorkItem) -> EndReason | None:
         try:
             self.backend.submit(engine_request(item))
         except (RequestRejectedError, SamplingParamsError) as exc:
             logger.warning("request_id=%s tenant_id=%s rejected: %s", *_ids(item), exc)
-            item.pending_reason = f"error:{exc}"
-            return item.pending_reason
+            item.stop(EndReason.error(str(exc)))
+            return item.end
         except EngineDeadError:
+            if self.restarts_engine and not self.stopping:
+                logger.warning("request_id=%s tenant_id=%s engine down at submit", *_ids(item))
+                self._leave_engine(item)
+                self._orphan(item)
+                return None
             logger.error("request_id=%s tenant_id=%s engine dead at submit", *_ids(item))
             self.stats.healthy = False
             self._on_engine_dead()
-            item.silent = True
-            return "abort"
-        item.state = ItemState.RUNNING
-        item.scheduled_ms = now_ms()
+            item.stop(STOPPED)
+            return item.end
+        item.run()
         if start_tokens := len(item.resumed_token_ids):
             logger.info(
                 "request_id=%s tenant_id=%s resumed attempt=%s after %s tokens",
@@ -389,33 +464,40 @@ class RequestFlow:
             self.num_in_engine -= 1
             self._buffer.left(item)
 
-    def _finish_unrun(self, item: WorkItem, start: AttemptStart, reason: str) -> None:
-        if reason == "finished" or (item.silent and item.tp not in self._assigned):
-            self._items.pop(item.request_id, None)
+    def _finish_unrun(self, item: WorkItem, reason: EndReason) -> None:
+        """End a STARTING item that will not run: a terminal delta (usage only when
+        silent), or nothing at all when an earlier attempt finished it or its partition
+        is gone."""
+        if reason.kind is EndKind.FINISHED or (item.silent and item.tp not in self._assigned):
+            item.done()
+            self._forget(item)
             self.offsets.done(item.tp, item.offset)
             self._update_snapshot()
             return
-        error = None
-        if reason.startswith("error:"):
-            reason, error = "error", reason.removeprefix("error:")
-        self._emit([(item, unrun_terminal(item, reason, error))])
+        self._emit([(item, unrun_terminal(item, reason))])
 
-    def _answer_unrun(self, items: list[WorkItem], reason: str) -> None:
+    def _forget(self, item: WorkItem) -> None:
+        if self._items.get(item.request_id) is item:
+            del self._items[item.request_id]
+
+    def _answer_unrun(self, items: list[WorkItem], reason: EndReason) -> None:
+        """Answer BUFFERED or ORPHANED items with `reason` once their attempt began."""
         for item in items:
-            item.state = ItemState.STARTING
+            item.stop(reason)
+            item.start()
         self._spawn(self._answer_unrun_async(items, reason))
 
-    async def _answer_unrun_async(self, items: list[WorkItem], reason: str) -> None:
+    async def _answer_unrun_async(self, items: list[WorkItem], reason: EndReason) -> None:
         try:
             starts = await self._begin(items)
-        except RuntimeError:  # the progress store is down: try again in a while
+        except ProgressUnavailable:  # try again in a while
             await asyncio.sleep(1.0)
             self._spawn(self._answer_unrun_async(items, reason))
             return
         for item, start in zip(items, starts, strict=True):
             item.begin(start)
             self._bill_superseded(item, start)
-            self._finish_unrun(item, start, "finished" if start.finished else reason)
+            self._finish_unrun(item, FINISHED if start.finished else reason)
 
     # -- deltas out -----------------------------------------------------------------------
     def on_step(self, batch: list[EngineDelta]) -> None:
@@ -426,10 +508,78 @@ class RequestFlow:
                 continue
             if delta.finished:
                 self._leave_engine(item)
+                if delta.retryable and self._resumes_after_restart(item):
+                    self._orphan(item, delta.error or "the engine died")
+                    continue
             pairs.append((item, delta))
         if pairs:
             self._emit(pairs)
         self.admit()
+
+    # -- a dead engine -------------------------------------------------------------------
+    def _resumes_after_restart(self, item: WorkItem) -> bool:
+        """Whether a request the engine just died under waits for the restart, rather
+        than ending with 'error': not when this worker stops or no longer owns it, nor
+        when the engine died under it `max_engine_deaths` times (it may be what kills it)."""
+        if not self.restarts_engine or self.stopping or item.silent:
+            return False
+        item.num_engine_deaths += 1
+        return item.num_engine_deaths < self.config.max_engine_deaths
+
+    def _orphan(self, item: WorkItem, error: str | None = None) -> None:
+        """Hold `item` (offset uncommitted) until the engine is back: `requeue_orphans`."""
+        if error is not None:
+            logger.warning(
+                "request_id=%s tenant_id=%s attempt=%s lost with the engine after %s tokens: %s",
+                *_ids(item),
+                item.attempt,
+                item.num_generated,
+                error,
+            )
+        item.orphan()
+        self.publisher.step_timer.forget(item.request_id)  # its next tokens start afresh
+
+    def _orphans(self) -> list[WorkItem]:
+        return [i for i in self._items.values() if i.state is ItemState.ORPHANED]
+
+    def requeue_orphans(self) -> None:
+        """The engine is back: what the dead one held goes back to the buffer and starts
+        again through `_start`, a new attempt resuming from its recorded progress (the
+        worker flushed the publisher first, so that progress is what clients were sent).
+        One cancelled meanwhile is answered; one whose partition went elsewhere is let go."""
+        for item in self._orphans():
+            if item.silent:
+                item.done()
+                self._forget(item)
+                continue
+            if self._cancels.is_cancelled(item.request):
+                item.stop(ABORTED)
+            if item.end is not None:
+                self._answer_unrun([item], item.end)
+            else:
+                item.requeue()
+                self._buffer.push(item)
+        self._update_snapshot()
+        self.refresh_stats()
+
+    def fail_orphans(self, error: str) -> None:
+        """The engine is not coming back: what it held ends with 'error', as it would
+        without restarts (billed as what this worker received of it)."""
+        pairs = [
+            (item, EngineDelta(item.request_id, finish_reason="error", error=error))
+            for item in self._orphans()
+        ]
+        if pairs:
+            self._emit(pairs)
+
+    def _expire_orphans(self) -> None:
+        expired = [i for i in self._orphans() if is_expired(i.deadline)]
+        if expired:
+            self._answer_unrun(expired, DEADLINE)
+
+    @property
+    def num_orphans(self) -> int:
+        return len(self._orphans())
 
     def _emit(self, pairs: list[tuple[WorkItem, EngineDelta]]) -> None:
         self.publisher.publish_step(pairs)
@@ -441,13 +591,13 @@ class RequestFlow:
             if item is not None and not item.silent:
                 logger.warning("request_id=%s tenant_id=%s fenced by a newer attempt", *_ids(item))
                 self.stats.fenced += 1
-                item.silent = True
+                item.stop(FENCED)
                 if item.state is ItemState.RUNNING:
                     self.backend.abort(request_id)
         for item in finished:
             self.stats.finished += 1
-            if self._items.get(item.request_id) is item:
-                del self._items[item.request_id]
+            item.done()
+            self._forget(item)
             self.offsets.done(item.tp, item.offset)
         self._update_snapshot()
         self.refresh_stats()

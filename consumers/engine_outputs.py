@@ -1,4 +1,4 @@
-"""What the engine worker holds per request, and how one engine step becomes messages.
+"""How one engine step of the requests an engine worker holds becomes messages.
 
 Sits between the engine's `deltas()` stream and the bus: one engine step (a list of
 `EngineDelta`s) turns into one `DeltaPart` per request, grouped by reply target, which
@@ -8,20 +8,21 @@ one `UsageRecord` per finished attempt (keyed by tenant), one `TelemetryRecord` 
 finished attempt, and the `StepProgress` entries the progress store records once the
 publishes are confirmed.
 
+The engine's own records (`engine.backends.base.FinishReason`, `TokenLogprob`) become the
+bus's here and only here: `to_bus_finish_reason`, `to_bus_logprobs` (the engine does not
+import the bus).
+
 Offsets are absolute across attempts: a resumed attempt starts at the tokens and text
 that earlier attempts published, so the gateway can drop what it already delivered.
 """
 
 from __future__ import annotations
 
-import enum
-import time
 from dataclasses import dataclass, field
+from typing import assert_never
 
-from bus.base import TopicPartition
 from bus.messages import (
     FinishReason,
-    GenerateRequest,
     TelemetryRecord,
     Timings,
     TokenDelta,
@@ -30,64 +31,32 @@ from bus.messages import (
     Usage,
     UsageRecord,
 )
-from consumers.progress import AttemptStart, StepProgress
+from consumers.progress import StepProgress
+from consumers.work_item import EndReason, WorkItem, now_ms
 from engine.backends.base import EngineDelta
+from engine.backends.base import FinishReason as EngineFinishReason
+from engine.backends.base import TokenLogprob as EngineTokenLogprob
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+def to_bus_finish_reason(reason: EngineFinishReason) -> FinishReason:
+    """The bus's finish reason for the engine's (the same five words today)."""
+    match reason:
+        case "stop" | "length" | "abort" | "deadline" | "error":
+            return reason
+        case _:
+            assert_never(reason)
 
 
-class ItemState(enum.Enum):
-    BUFFERED = "buffered"  # in the local admission buffer
-    STARTING = "starting"  # attempt being begun in the progress store
-    RUNNING = "running"  # submitted to the engine
-    FINISHING = "finishing"  # terminal delta built; publishes not yet confirmed
-
-
-@dataclass(slots=True, eq=False)
-class WorkItem:
-    """One request this worker holds, from the poll until its offset may be committed."""
-
-    request: GenerateRequest
-    tp: TopicPartition
-    offset: int
-    deadline: float | None  # time.monotonic() seconds
-    received_ms: int
-    state: ItemState = ItemState.BUFFERED
-    attempt: int = 0
-    resumed_token_ids: list[int] = field(default_factory=list)
-    token_offset: int = 0  # absolute position of the next token
-    text_offset: int = 0  # absolute position of the next character
-    seq_no: int = 0
-    num_generated: int = 0  # tokens this attempt generated
-    scheduled_ms: int | None = None
-    first_token_ms: int | None = None
-    pending_reason: str | None = None  # a cancel/deadline that arrived while STARTING
-    silent: bool = False  # lost or fenced: publish usage only, never deltas or progress
-    in_engine: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def tenant_id(self) -> str:
-        return self.request.tenant_id
-
-    @property
-    def lane(self) -> str:
-        return self.request.lane.value
-
-    @property
-    def cost(self) -> int:
-        return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
-
-    def begin(self, start: AttemptStart) -> None:
-        self.attempt = start.attempt
-        self.resumed_token_ids = list(start.token_ids)
-        self.token_offset = len(start.token_ids)
-        self.text_offset = start.text_len
+def to_bus_logprobs(logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
+    """The bus's logprob records for the engine's, in order."""
+    return [
+        TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[TopLogprob(token_id=t, logprob=p) for t, p in lp.top_logprobs],
+        )
+        for lp in logprobs
+    ]
 
 
 @dataclass(slots=True)
@@ -128,11 +97,12 @@ def build_step(
         token_offset, text_offset = item.token_offset, item.text_offset
         _advance(item, delta)
         if delta.finished:
-            item.state = ItemState.FINISHING
+            item.finishing()
             out.finished.append(item)
             timings = _timings(item)
-            out.usage.append(usage_record(item, delta, timings))
-            out.telemetry.append(_telemetry(item, delta, timings, worker_id))
+            usage = usage_record(item, delta, timings)
+            out.usage.append(usage)
+            out.telemetry.append(telemetry_record(item, usage, worker_id))
         if item.silent:
             continue
         if delta.token_ids or delta.text or delta.finished:
@@ -161,10 +131,10 @@ def render(parts: list[DeltaPart]) -> list[TokenDelta]:
     The gateway takes a delta only above the last seq_no it took, and cuts what precedes
     the tokens it has by the offsets, so one merged delta reads as its parts would. Fewer,
     larger deltas cost the encoder and every reader less, and each delivery of a request
-    is one event: with the parts, the bench measured gaps of 0 ms between a message's
-    deltas as inter-token latency. Building the delta here, once per message, rather than
-    per step and merging: with 64 requests decoding, per-step construction was a third of
-    the publisher's CPU time (cProfile, 400 steps).
+    is one event (with the parts, a bench read the 0 ms gaps between a message's deltas
+    as inter-token latency). The delta is built here, once per message, rather than per
+    step and merged: per-step construction was a large share of the publisher's CPU
+    (benchmarks/RESULTS.md).
     """
     groups: dict[tuple[str, int], list[DeltaPart]] = {}
     for part in parts:
@@ -183,6 +153,7 @@ def _advance(item: WorkItem, delta: EngineDelta) -> None:
 def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
     first, last = parts[0], parts[-1]
     item, delta = last.item, last.delta
+    finish = delta.finish_reason
     usage = None
     if delta.finished:  # nothing follows a terminal part: item.token_offset is final
         usage = Usage(
@@ -192,23 +163,14 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
         )
     logprobs = None
     if any(p.delta.logprobs is not None for p in parts):
-        logprobs = [
-            TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=[TopLogprob(token_id=t, logprob=p) for t, p in lp.top_logprobs],
-            )
-            for part in parts
-            for lp in part.delta.logprobs or ()
-        ]
+        logprobs = to_bus_logprobs([lp for p in parts for lp in p.delta.logprobs or ()])
     if len(parts) == 1:
         token_ids, text = list(delta.token_ids), delta.text
     else:
         token_ids = [t for p in parts for t in p.delta.token_ids]
         text = "".join(p.delta.text for p in parts)
     # model_construct skips validation: every value comes from this worker and its engine
-    # (typed), and readers validate on decode; for 64 deltas it saved ~0.3 ms against
-    # validating them (measured on the dev VM)
+    # (typed), and readers validate on decode (the saving: benchmarks/RESULTS.md)
     return TokenDelta.model_construct(
         request_id=item.request_id,
         attempt=item.attempt,
@@ -218,7 +180,7 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
         token_ids=token_ids,
         text=text,
         logprobs=logprobs,
-        finish_reason=delta.finish_reason,
+        finish_reason=None if finish is None else to_bus_finish_reason(finish),
         error=_client_error(delta),
         usage=usage,
     )
@@ -240,13 +202,15 @@ def _timings(item: WorkItem) -> Timings:
         scheduled_ms=item.scheduled_ms,
         first_token_ms=item.first_token_ms,
         finished_ms=now_ms(),
+        received_ms=item.received_ms,
+        admitted_ms=item.admitted_ms,
     )
 
 
 def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageRecord:
     """What this attempt consumed: prompt tokens of the client's prompt when it ran (the
     resumed tokens re-read as prompt were billed as completion of the earlier attempt),
-    and the tokens this attempt generated (billed = generated, DESIGN.md §5.4)."""
+    and the tokens this attempt generated (billed = generated, docs/architecture.md §5.4)."""
     ran = delta.num_prompt_tokens is not None and delta.num_prompt_tokens > 0
     prompt_tokens = len(item.request.prompt_token_ids) if ran else 0
     completion = delta.num_output_tokens
@@ -256,7 +220,7 @@ def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageR
         prompt_tokens,
         min(_cached(item, delta), prompt_tokens),
         item.num_generated if completion is None else completion,
-        delta.finish_reason or "abort",
+        to_bus_finish_reason(delta.finish_reason or "abort"),
         timings,
     )
 
@@ -300,28 +264,45 @@ def _usage(
     )
 
 
-def _telemetry(
-    item: WorkItem, delta: EngineDelta, timings: Timings, worker_id: str
-) -> TelemetryRecord:
+def telemetry_record(item: WorkItem, usage: UsageRecord, worker_id: str) -> TelemetryRecord:
+    """The spans' record of one attempt: its timings, and its token counts as its usage
+    record bills them (the GenAI conventions want billable tokens)."""
+    request = item.request
     return TelemetryRecord(
-        request_id=item.request_id,
-        attempt=item.attempt,
-        tenant_id=item.tenant_id,
-        model=item.request.model,
-        lane=item.request.lane,
+        request_id=usage.request_id,
+        attempt=usage.attempt,
+        tenant_id=usage.tenant_id,
+        model=usage.model,
+        lane=usage.lane,
         worker_id=worker_id,
-        timings=timings,
-        num_prompt_tokens=delta.num_prompt_tokens or 0,
-        num_output_tokens=item.num_generated,
+        timings=usage.timings,
+        num_prompt_tokens=usage.prompt_tokens,
+        num_output_tokens=usage.completion_tokens,
+        key_id=usage.key_id,
+        batch_id=usage.batch_id,
+        max_tokens=request.sampling.max_tokens,
+        num_cached_tokens=usage.cached_tokens,
+        finish_reason=usage.finish_reason,
+        estimated=usage.estimated,
     )
 
 
-def unrun_terminal(item: WorkItem, finish_reason: str, error: str | None = None) -> EngineDelta:
+def superseded_telemetry(
+    item: WorkItem, attempt: int, completion_tokens: int, worker_id: str
+) -> TelemetryRecord:
+    """The telemetry of an earlier attempt whose worker died, published with its usage
+    (`superseded_usage`) by `worker_id`, the worker resuming it: the tokens the progress
+    store confirms, from the request's creation until now (nothing of its scheduling is
+    known)."""
+    return telemetry_record(item, superseded_usage(item, attempt, completion_tokens), worker_id)
+
+
+def unrun_terminal(item: WorkItem, reason: EndReason) -> EngineDelta:
     """A terminal delta for a request answered without running (cancelled, expired...)."""
     return EngineDelta(
         item.request_id,
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        error=error,
+        finish_reason=reason.finish_reason,
+        error=reason.detail,
         num_prompt_tokens=0,
         num_cached_tokens=0,
         num_output_tokens=0,

@@ -116,8 +116,7 @@ class LanePoller:
             raise RuntimeError("LanePoller.cycle before open()")
         result = PollResult()
         # the periodic commit does not wait for the broker: a record arriving meanwhile
-        # waited for it (a commit round trip on Tansu: p50 1 ms, p90 4-5 ms, up to 9 ms,
-        # every 0.2 s under load); one that fails only widens what a failover redoes
+        # would wait for its round trip; one that fails only widens what a failover redoes
         result.committed = self.commit(commits, wait=False)
         self._reconcile_pause(consumer, pause)
         result.controls = [*self._early_controls, *control.poll(0.0, 500)]

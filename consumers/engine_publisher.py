@@ -13,10 +13,8 @@ terminal) holds them, and a later step, or a timer at the interval, sends them w
 own in one message. First tokens and terminal deltas never wait; whatever the target
 holds goes with them. Held deltas' progress is recorded only once they are sent, so a
 failover resumes after what clients were sent, never after what was merely held.
-Why: every message costs the broker and the reading gateway, whatever its size.
-Measured on Tansu (2-core VM): ~1.5 ms of broker CPU per message produced and fetched,
-0.4 of a core at 250 messages/s; at 10 req/s on tiny-llama the engine steps every ~4 ms
-and each step was one message per gateway. The gateway's reply consumer fetches every
+Why: every message costs the broker and the reading gateway, whatever its size, and the
+engine steps every few ms (benchmarks/RESULTS.md). The gateway's reply consumer fetches every
 `fetch_max_wait_ms` (5 ms) anyway, so deltas sent a few ms apart mostly arrive together.
 """
 
@@ -30,12 +28,14 @@ from dataclasses import dataclass, field
 
 from bus.base import Delivered, EventBus
 from bus.codec import encode
-from bus.messages import TokenDeltaBatch, UsageRecord
+from bus.messages import TelemetryRecord, TokenDeltaBatch, UsageRecord
 from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
-from consumers.engine_outputs import DeltaPart, WorkItem, build_step, render
-from consumers.progress import ProgressStore, StepProgress
+from consumers.engine_outputs import DeltaPart, build_step, render
+from consumers.progress import ProgressStore, ProgressUnavailable, StepProgress
 from consumers.progress import call as progress_call
+from consumers.work_item import WorkItem
 from engine.backends.base import EngineDelta
+from tracing.metrics import StepTimer, observe_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class StepPublisher:
         self._held: dict[str, _Held] = {}  # reply target → held deltas
         self._timer: asyncio.TimerHandle | None = None
         self.num_messages = 0
+        self.step_timer = StepTimer()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -103,6 +104,7 @@ class StepPublisher:
         if queue is None or loop is None:
             raise RuntimeError("StepPublisher.bind() first")
         out = build_step(pairs, self.worker_id)
+        self._observe(pairs, out.usage)
         step = _Step(finished=out.finished)
         now = loop.time()
         targets = {item.request_id: item.request.reply_to for item, _ in pairs}
@@ -127,13 +129,20 @@ class StepPublisher:
         self._arm_timer()
         for usage in out.usage:
             step.sends.append(self._send(USAGE_TOPIC, encode(usage), usage.tenant_id))
-        for record in out.telemetry:
-            future = self.bus.publish(
-                TELEMETRY_TOPIC, encode(record), key=record.request_id.encode()
-            )
-            future.add_done_callback(_log_telemetry_failure)
+        if out.telemetry:
+            headers = {item.request_id: item.trace_headers for item in out.finished}
+            for record in out.telemetry:
+                self.publish_telemetry(record, headers.get(record.request_id, []))
         if step.sends or step.progress or step.finished:
             queue.put_nowait(step)
+
+    def _observe(self, pairs: list[tuple[WorkItem, EngineDelta]], usage: list[UsageRecord]) -> None:
+        """The step's metrics: its tokens and inter-token gaps, each finished attempt."""
+        self.step_timer.step(
+            (i.request_id, i.request.model, len(d.token_ids), d.finished) for i, d in pairs
+        )
+        for record in usage:
+            observe_attempt(record)
 
     def _release(self, target: str, step: _Step) -> None:
         held = self._held.pop(target)
@@ -168,6 +177,18 @@ class StepPublisher:
         if queue is None:
             raise RuntimeError("StepPublisher.bind() first")
         queue.put_nowait(_Step(sends=[self._send(USAGE_TOPIC, encode(usage), usage.tenant_id)]))
+
+    def publish_telemetry(self, record: TelemetryRecord, headers: list[tuple[str, bytes]]) -> None:
+        """A telemetry record with its request's trace context (the tracing consumer
+        parents its spans there); not confirmed: telemetry never holds a request up."""
+        try:
+            future = self.bus.publish(
+                TELEMETRY_TOPIC, encode(record), key=record.request_id.encode(), headers=headers
+            )
+        except Exception as exc:  # telemetry must never break the worker
+            logger.warning("telemetry record not published: %s", exc)
+            return
+        future.add_done_callback(_log_telemetry_failure)
 
     def _send(self, topic: str, value: bytes, key: str) -> _Send:
         self.num_messages += 1
@@ -213,7 +234,7 @@ class StepPublisher:
             return set()
         try:
             fenced = await progress_call(self.progress, self._io, self.progress.record, progress)
-        except Exception as exc:  # a failover then resumes from older progress: still correct
+        except ProgressUnavailable as exc:  # a failover resumes from older progress: correct
             logger.warning("worker=%s progress not recorded: %s", self.worker_id, exc)
             return set()
         return fenced

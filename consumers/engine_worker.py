@@ -1,8 +1,8 @@
 """The engine worker: lane topics in, engine in the middle, token deltas and usage out.
 
-Sits between Kafka and the engine (DESIGN.md §1): a consumer group over the three lane
-topics pulls micro-batches into a local admission buffer (priority-weighted lanes,
-tenant-fair within, `consumers.admission`), which feeds the engine as capacity allows.
+Sits between Kafka and the engine (docs/architecture.md §1, §10): a consumer group over the
+three lane topics pulls micro-batches into a local fair queue (priority-weighted lanes,
+tenant-fair within, `consumers.fair_queue`), which feeds the engine as capacity allows.
 Each engine step becomes one `TokenDeltaBatch` per reply target, plus one `UsageRecord`
 and `TelemetryRecord` per finished attempt (`consumers.engine_outputs`).
 
@@ -10,12 +10,17 @@ Threads: `run()` owns an asyncio loop (engine deltas, admission, publishing, pro
 and one poll thread that alone touches the bus consumers (`consumers.engine_poller`).
 All worker state lives on the loop thread; the poll thread only polls, commits, pauses.
 
-Invariants (DESIGN.md §5): a partition is committed only up to its lowest request that
+Invariants (docs/architecture.md §5): a partition is committed only up to its lowest request that
 is not terminal with its terminal delta and usage publishes confirmed (buffered
 requests hold it back too); a full engine pauses the lanes while polling goes on; a
 request resumed after a failover continues from the progress store with a higher
 attempt; cancels and deadlines end a request wherever it is, with exactly one terminal
 delta and one usage record per attempt.
+
+A dead engine that can be restarted (`RestartableBackend`: the engine process) is
+started again after a backoff; meanwhile the worker is not ready, pauses its lanes and
+holds the offsets of what the engine held, and those requests resume on the new engine
+as after a failover (`RequestFlow.requeue_orphans`).
 """
 
 from __future__ import annotations
@@ -23,10 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +43,9 @@ from consumers.progress import ProgressStore
 from engine.backends.base import (
     EngineBackend,
     EngineDeadError,
+    RestartableBackend,
 )
+from tracing.metrics import LagReporter, watch_engine
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +70,13 @@ class EngineWorkerConfig:
     tenant_quantum_tokens: int = 256
     poll_timeout_s: float = 0.05
     max_records: int = 64
-    # At most one periodic commit per interval; it does not wait for the broker (a
-    # waiting one held up the poll thread p50 1 ms, up to 9 ms). Drain and revocation
-    # commit the latest watermarks and wait. A later commit only widens what a failover
-    # redoes.
+    # At most one periodic commit per interval; it does not wait for the broker (a waiting
+    # one held up the poll thread). Drain and revocation commit the latest watermarks and
+    # wait. A later commit only widens what a failover redoes.
     commit_interval_s: float = 0.2
     max_buffered_per_partition: int = 32
-    # With 1, a light tenant's next request was fetched only after its last buffered one
-    # entered the engine: the engine counts as full whenever 8 requests wait for their
-    # prefill, all through a ramp-up, and the heavy tenant took the slots meanwhile
-    # (fairness run: B had 25 of 64 running when the first requests finished).
+    # Lets the fair queue see each tenant's next requests while the engine is full (with
+    # 1, a heavy tenant took the slots through a ramp-up; benchmarks/RESULTS.md).
     full_engine_lookahead: int = 8
     max_engine_waiting: int = 8
     max_kv_usage: float = 0.9
@@ -81,20 +84,6 @@ class EngineWorkerConfig:
     cancel_ttl_s: float = 600.0
     max_cancelled: int = 100_000
     drain_timeout_s: float = 30.0
-    # The engine thread shares the GIL with the Kafka client's threads; at CPython's
-    # default 5 ms switch interval each engine step waited for the GIL behind them
-    # (measured on tiny-llama: submit -> first delta 8.2 ms in the worker vs 3.5 ms
-    # direct). None leaves the interpreter's setting alone.
-    gil_switch_interval_s: float | None = 0.0005
-    # The engine thread's nice value (`TorchEngineBackend.thread_nice`, applied when the
-    # engine has one torch thread): a busy engine then yields its core whenever the
-    # threads that move requests and tokens (this loop, the Kafka clients, a broker or
-    # gateway on the same machine) can run, and takes every cycle they leave. `bench
-    # serving`'s priority run on the 2-core VM, three alternating pairs: interactive TTFT
-    # beside a batch backlog p50 15.6, 13.9, 16.2 ms and p99 25.3, 20.9, 31.4 ms at 10
-    # against p50 18.0, 14.9, 18.4 and p99 30.3, 28.2, 31.8 at 0; batch tokens/s in the
-    # window 1,394, 1,573, 1,238 against 1,253, 1,556, 1,229. None leaves it alone.
-    engine_thread_nice: int | None = 10
     tick_s: float = 0.05
     # Mid-stream deltas of one reply target go out at most this often (first tokens and
     # terminal deltas at once): see `consumers.engine_publisher`. 0 sends every step.
@@ -102,19 +91,51 @@ class EngineWorkerConfig:
     control_group_prefix: str = "engine-control"
     # The broker may hold the control consumer's empty fetches this long: cancels reach
     # the engine up to this much later than at the bus default (5 ms), and the broker
-    # answers 10x fewer fetches. On the 2-core VM, Tansu spent 0.13 of a core on this
-    # consumer's empty fetches at 5 ms, 0.03 at 50 (it shares the cores with the engine
-    # worker's loop and the gateway, whose hops carry every token). None: bus default.
+    # answers 10x fewer fetches, each of which costs it CPU (benchmarks/RESULTS.md).
+    # None: bus default.
     control_max_wait_ms: int | None = 50
+    # A dead engine process is started again after `engine_restart_initial_s`, doubling
+    # per death up to `engine_restart_max_s`, back to the start once an engine stayed up
+    # `engine_restart_reset_s`. A request the engine died under `max_engine_deaths`
+    # times ends with 'error' (it may be what kills it); `engine_max_failed_starts`
+    # starts in a row that fail and the worker gives up (unhealthy, it stops).
+    restart_engine: bool = True
+    engine_restart_initial_s: float = 0.5
+    engine_restart_max_s: float = 30.0
+    engine_restart_reset_s: float = 60.0
+    max_engine_deaths: int = 3
+    engine_max_failed_starts: int = 5
+
+
+@dataclass(slots=True)
+class RestartBackoff:
+    """How long to wait before restarting a dead engine: `initial_s`, doubling per
+    death up to `max_s`, and `initial_s` again after an engine that stayed up
+    `reset_after_s` (a crash a day is not a crash loop)."""
+
+    initial_s: float
+    max_s: float
+    reset_after_s: float
+    _next_s: float | None = None
+
+    def delay(self, up_s: float) -> float:
+        """The wait before the next start; `up_s`: how long the dead engine ran."""
+        if self._next_s is None or up_s >= self.reset_after_s:
+            self._next_s = self.initial_s
+        delay = self._next_s
+        self._next_s = min(delay * 2, self.max_s)
+        return delay
 
 
 @dataclass(slots=True)
 class WorkerStats:
     """A snapshot for readiness probes and metrics."""
 
-    ready: bool = False
-    healthy: bool = True
+    ready: bool = False  # holds partitions and its engine is up
+    healthy: bool = True  # False once it gave up (the engine died for good) or failed
     draining: bool = False
+    engine_up: bool = True
+    engine_restarts: int = 0
     assigned: int = 0
     paused: int = 0
     buffered: int = 0
@@ -138,7 +159,11 @@ class EngineWorker:
         config: EngineWorkerConfig,
         progress: ProgressStore,
         worker_id: str,
+        *,
+        model_name: str | None = None,
     ) -> None:
+        """`model_name`: the served model's name on the engine gauges (`vllm:num_requests_*`,
+        `vllm:kv_cache_usage_perc`); None exposes no gauges."""
         self.bus = bus
         self.backend = backend
         self.config = config
@@ -153,10 +178,14 @@ class EngineWorker:
         self._wake: asyncio.Event | None = None
         self._kafka = ThreadPoolExecutor(1, thread_name_prefix=f"sluice-poll-{worker_id}")
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"sluice-progress-{worker_id}")
-        self._poller = LanePoller(
+        self.model_name = model_name
+        self._unwatch_engine: Callable[[], None] | None = None
+        lanes = [request_topic(lane) for lane in config.lanes]
+        self._lag = LagReporter(config.group_id, lanes)
+        self._poller = _MeteredPoller(
             bus,
             config.group_id,
-            [request_topic(lane) for lane in config.lanes],
+            lanes,
             f"{config.control_group_prefix}-{worker_id}-{uuid.uuid4().hex[:8]}",
             self._on_assignment_threadsafe,
             lambda: self._flow.commit_snapshot,
@@ -166,12 +195,20 @@ class EngineWorker:
             bus, backend, config, progress, self._io, worker_id, self.stats, self._engine_died
         )
         self._drain_timeout_s = config.drain_timeout_s
+        self._flow.restarts_engine = config.restart_engine and isinstance(
+            backend, RestartableBackend
+        )
+        self._backoff = RestartBackoff(
+            config.engine_restart_initial_s,
+            config.engine_restart_max_s,
+            config.engine_restart_reset_s,
+        )
+        self._joined = False  # the group gave this worker partitions
+        self._engine_started_at = 0.0  # loop time
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def run(self) -> None:
         """Serve until `stop()`/`drain()`; raises EngineDeadError if the engine died."""
-        if self.config.gil_switch_interval_s is not None:
-            sys.setswitchinterval(self.config.gil_switch_interval_s)
         try:
             asyncio.run(self._main())
         finally:
@@ -221,9 +258,10 @@ class EngineWorker:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        if hasattr(self.backend, "thread_nice"):
-            self.backend.thread_nice = self.config.engine_thread_nice
         self.backend.start()
+        self._engine_started_at = self._loop.time()
+        if self.model_name is not None:
+            self._unwatch_engine = watch_engine(self.model_name, self.backend.stats)
         await self._on_kafka(self._poller.open)
         self._flow.publisher.bind(self._loop)
         deltas = asyncio.create_task(self._delta_loop(), name="engine-deltas")
@@ -272,12 +310,15 @@ class EngineWorker:
             )
             if not self._abandon:
                 self._after_poll(result)
+            if self._lag.due():  # on the poll thread: only it may touch the consumer
+                self._lag.report(await self._on_kafka(self._poller.lag))
 
     def _after_poll(self, result: PollResult) -> None:
         flow = self._flow
         flow.offsets.committed(result.committed)
         self.stats.commits += bool(result.committed)
-        self.stats.ready = bool(result.assignment) or self.stats.ready
+        self._joined = bool(result.assignment) or self._joined
+        self.stats.ready = self._joined and flow.engine_up
         self.stats.assigned, self.stats.paused = len(result.assignment), len(result.paused)
         for record in result.controls:
             flow.on_control(record)
@@ -291,15 +332,74 @@ class EngineWorker:
         self._stop.set()
 
     async def _delta_loop(self) -> None:
-        try:
-            async for batch in self.backend.deltas():
-                self._flow.on_step(batch)
-        except Exception:
-            logger.exception("worker=%s engine delta stream failed", self.worker_id)
-        if not self._stop.is_set():
-            logger.error("worker=%s engine stopped; stopping without commit", self.worker_id)
-            self.stats.healthy = False
-            self._stop.set()
+        while True:
+            try:
+                async for batch in self.backend.deltas():
+                    self._flow.on_step(batch)
+            except Exception:
+                logger.exception("worker=%s engine delta stream failed", self.worker_id)
+            if self._stop.is_set():
+                return
+            if self._flow.restarts_engine and await self._restart_engine():
+                continue
+            if not self._stop.is_set():
+                logger.error("worker=%s engine stopped; stopping without commit", self.worker_id)
+                self.stats.healthy = False
+                self._stop.set()
+            return
+
+    async def _restart_engine(self) -> bool:
+        """Start the dead engine again, after a backoff; True once it is back.
+
+        First the publisher is flushed: the progress store then holds what clients were
+        sent, which the orphaned requests resume from (and a late progress write of the
+        dead attempt cannot fence the new one). False when the worker stops meanwhile or
+        the engine fails to start `engine_max_failed_starts` times in a row.
+        """
+        loop = asyncio.get_running_loop()
+        flow, stats, config = self._flow, self.stats, self.config
+        flow.engine_up = stats.engine_up = stats.ready = False
+        up_s = loop.time() - self._engine_started_at
+        logger.error(
+            "worker=%s engine died after %.1fs up (%s); %s requests wait for its restart",
+            self.worker_id,
+            up_s,
+            getattr(self.backend, "error", None),
+            flow.num_orphans,
+        )
+        await flow.publisher.flush(timeout_s=10.0)
+        for failed in range(config.engine_max_failed_starts):
+            if not await self._wait_unless_stopped(self._backoff.delay(up_s)):
+                return False
+            up_s = 0.0  # a start that failed ran for no time
+            try:
+                await loop.run_in_executor(None, self._restart_backend, loop)
+            except EngineDeadError as exc:
+                logger.error("worker=%s engine restart %s failed: %s", self.worker_id, failed, exc)
+                continue
+            self._engine_started_at = loop.time()
+            stats.engine_restarts += 1
+            flow.requeue_orphans()
+            flow.engine_up = stats.engine_up = True
+            stats.ready = self._joined
+            logger.info("worker=%s engine restarted", self.worker_id)
+            flow.admit()
+            return True
+        flow.fail_orphans("the engine died and could not be restarted")
+        return False
+
+    def _restart_backend(self, loop: asyncio.AbstractEventLoop) -> None:
+        backend = self.backend
+        assert isinstance(backend, RestartableBackend)
+        backend.restart(loop)
+
+    async def _wait_unless_stopped(self, delay_s: float) -> bool:
+        """Sleep `delay_s` unless the worker stops first; True when it did not."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + delay_s
+        while not self._stop.is_set() and loop.time() < until:
+            await asyncio.sleep(min(0.05, until - loop.time()))
+        return not self._stop.is_set()
 
     async def _tick_loop(self) -> None:
         wake = self._wake
@@ -311,7 +411,9 @@ class EngineWorker:
             wake.clear()
             self._flow.stopping = self._stop.is_set()
             self._flow.tick()
-            if not self.backend.health() and not self._stop.is_set():
+            # a restartable engine's death ends its delta stream: `_delta_loop` heals it
+            restarts = self._flow.restarts_engine
+            if not restarts and not self.backend.health() and not self._stop.is_set():
                 logger.error("worker=%s engine unhealthy; stopping", self.worker_id)
                 self.stats.healthy = False
                 self._stop.set()
@@ -340,6 +442,8 @@ class EngineWorker:
         )
 
     async def _shutdown(self, deltas: asyncio.Task[None], poll: asyncio.Task[None]) -> None:
+        if self._unwatch_engine is not None:
+            self._unwatch_engine()
         self.backend.shutdown(5.0)
         for task in (deltas, poll):
             if not task.done():
@@ -358,3 +462,19 @@ class EngineWorker:
         loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(self._flow.on_assignment, partitions)
+
+
+class _MeteredPoller(LanePoller):
+    """The lane poller that also reads its consumer's lag (on the poll thread, as the
+    rest of it runs)."""
+
+    def lag(self) -> dict[TopicPartition, int]:
+        """Records not yet consumed per held lane partition; {} when it cannot say."""
+        consumer = self._consumer
+        if consumer is None:
+            return {}
+        try:
+            return consumer.lag()
+        except Exception:  # telemetry: a consumer that cannot tell is skipped
+            logger.debug("worker lag unavailable", exc_info=True)
+            return {}

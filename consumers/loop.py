@@ -3,7 +3,7 @@
 Each consumer is a `Handler` (message → effects); this loop owns polling, decoding,
 retries with backoff, dead-lettering, commits and shutdown. Checkpoint order (as in Quix
 Streams): effects of a batch first, then dead-letter publishes confirmed, then offsets
-committed — so a crash anywhere redelivers, never skips (DESIGN.md §5, invariant 2).
+committed — so a crash anywhere redelivers, never skips (docs/architecture.md §5.2).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from bus.codec import decode
 from bus.errors import BusError, CommitFailed, DecodeError
 from bus.messages import Message
 from bus.topics import dead_letter_topic
+from tracing.metrics import LagReporter, count_dead_letter
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ConsumeLoop:
         self.config = config or LoopConfig()
         self.decoder = decoder
         self.stats = LoopStats()
+        self._lag = LagReporter(group_id, self.topics)
         self._stop = threading.Event()
         self._consumer: Consumer | None = None
 
@@ -110,6 +112,7 @@ class ConsumeLoop:
         if consumer is None:
             raise RuntimeError("run_once outside run(): no consumer")
         records = consumer.poll(self.config.poll_timeout_s, self.config.max_records)
+        self._lag.refresh(lambda: consumer.lag())  # every ~2 s, as the poll left it
         next_offsets: dict[TopicPartition, int] = {}
         handled = 0
         for record in records:
@@ -198,9 +201,16 @@ def publish_dead_letter(
         ("sluice-dlq-source", f"{record.topic}/{record.partition}/{record.offset}".encode()),
         ("sluice-dlq-attempts", str(attempts).encode()),
     ]
-    return bus.publish(
+    future = bus.publish(
         dead_letter_topic(record.topic), record.value, key=record.key, headers=headers
     )
+    future.add_done_callback(lambda f: _count_dead_letter(f, record.topic))
+    return future
+
+
+def _count_dead_letter(future: Future[Delivered], topic: str) -> None:
+    if not future.cancelled() and future.exception() is None:
+        count_dead_letter(topic)
 
 
 class _Abandon(Exception):

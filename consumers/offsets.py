@@ -1,9 +1,9 @@
 """Low-watermark offset tracking for consumers whose records finish out of order.
 
 The engine worker holds many requests of one partition at once and they finish in any
-order; it may commit a partition only up to its lowest unfinished offset (DESIGN.md §5,
-invariant 2). `OffsetTracker` remembers, per partition, the offsets handed out and not
-yet done, and which watermark was last committed.
+order; it may commit a partition only up to its lowest unfinished offset
+(docs/architecture.md §5.2). `OffsetTracker` remembers, per partition, the offsets handed
+out and not yet done, and which watermark was last committed.
 """
 
 from __future__ import annotations
@@ -65,9 +65,6 @@ class OffsetTracker:
         for tp, offset in offsets.items():
             if tp in self._next:
                 self._committed[tp] = max(self._committed.get(tp, -1), offset)
-
-    def last_committed(self, tp: TopicPartition) -> int | None:
-        return self._committed.get(tp)
 
     def drop(self, partitions: Iterable[TopicPartition]) -> None:
         """Forget partitions this member lost in a rebalance."""

@@ -1,6 +1,6 @@
 """Per-request generation progress: what a failover resumes from, and attempt fencing.
 
-Sits beside the engine worker (DESIGN.md §5, invariant 5). After each engine step's
+Sits beside the engine worker (docs/architecture.md §5.5, §12). After each engine step's
 `TokenDeltaBatch` publish is confirmed, the worker records per request the attempt, the
 tokens it appended and the absolute text length published so far. When a worker dies
 mid-stream, the member that receives the request after the rebalance calls
@@ -12,14 +12,18 @@ fenced and aborts the request.
 `MemoryProgressStore` serves embedded mode (one process); `RedisProgressStore` serves
 distributed mode (atomic Lua scripts, one pipelined round trip per call, keys with a
 TTL). This is the only module of `consumers` that imports redis.
+
+Errors: a store that cannot be reached raises `ProgressUnavailable` (retryable: nothing
+was begun or recorded); any other exception is a bug.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -28,6 +32,13 @@ import redis
 
 _A = TypeVar("_A")
 _R = TypeVar("_R")
+
+
+class ProgressUnavailable(Exception):
+    """The progress store could not be reached; retryable: the call had no effect the
+    caller relies on (a begin is retried, a record is left to the next step)."""
+
+    retryable = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +90,15 @@ class ProgressStore(Protocol):
         """For each (request_id, min_attempt): the next attempt, atomically.
 
         The attempt is max(stored + 1, min_attempt), or min_attempt the first time; a
-        finished request keeps its attempt and comes back with `finished=True`.
+        finished request keeps its attempt and comes back with `finished=True`. Raises
+        `ProgressUnavailable` when the store cannot be reached.
         """
         ...
 
     def record(self, steps: Sequence[StepProgress]) -> set[str]:
         """Append each step's progress; returns the request ids whose write was fenced
-        (a higher attempt has begun), which the caller must abort."""
+        (a higher attempt has begun), which the caller must abort. Raises
+        `ProgressUnavailable` when the store cannot be reached."""
         ...
 
     def close(self) -> None: ...
@@ -94,9 +107,8 @@ class ProgressStore(Protocol):
 async def call(store: ProgressStore, io: Executor, fn: Callable[[_A], _R], arg: _A) -> _R:
     """`fn(arg)`, a method of `store`: inline when the store is in-process, else on `io`.
 
-    The hop to a thread and back cost the in-memory store's begin_attempts p50 0.45 ms,
-    p99 3.9 ms between a request's arrival and its engine submit (a hop profile at
-    10 req/s beside the engine thread), for a call of microseconds.
+    The hop to a thread and back cost far more than the in-memory call itself, on every
+    request's way to the engine (benchmarks/RESULTS.md).
     """
     if store.in_process:
         return fn(arg)
@@ -257,8 +269,10 @@ class RedisProgressStore:
         pipe = self._redis.pipeline(transaction=False)
         for request_id, min_attempt in requests:
             self._begin(keys=self._keys(request_id), args=[min_attempt, self.ttl_s], client=pipe)
+        with _unavailable_on_redis_error():
+            replies = pipe.execute()
         out: list[AttemptStart] = []
-        for reply in pipe.execute():
+        for reply in replies:
             attempt, text_len, finished, prev, published, *tokens = (int(v) for v in reply)
             superseded = (prev, published) if prev >= 0 else None
             out.append(AttemptStart(attempt, tokens, text_len, bool(finished), superseded))
@@ -271,7 +285,8 @@ class RedisProgressStore:
         for s in steps:
             args = [s.attempt, s.token_offset, s.text_len, int(s.finished), self.ttl_s]
             self._record(keys=self._keys(s.request_id), args=[*args, *s.token_ids], client=pipe)
-        replies = pipe.execute()
+        with _unavailable_on_redis_error():
+            replies = pipe.execute()
         return {s.request_id for s, ok in zip(steps, replies, strict=True) if not int(ok)}
 
     def delete(self, request_id: str) -> None:
@@ -279,3 +294,12 @@ class RedisProgressStore:
 
     def close(self) -> None:
         self._redis.close()
+
+
+@contextlib.contextmanager
+def _unavailable_on_redis_error() -> Iterator[None]:
+    """Redis's connection, timeout and server errors → `ProgressUnavailable`."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise ProgressUnavailable(f"progress store: {exc}") from exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from consumers.engine_outputs import WorkItem
+from consumers.work_item import WorkItem
 from engine.backends.base import EngineRequest
 from engine.sampling import SamplingParams
 

@@ -36,13 +36,11 @@ class EngineConfig:
     priority_background_tokens: under the priority policy, while requests of a better
     priority than others are in the engine (and for `priority_hold_s` after the last one
     left), the others get at most this many tokens per step, so the steps that serve the
-    urgent requests stay short: an interactive request's TTFT is about two steps, and a
-    step of 64 batch decodes took ~36 ms on one core of the 2-core EPYC. -1 = no cap.
-    8 rather than 16: in situ on the 2-core AVX2 VM a step of 16 background decodes
-    and the urgent ones took p50 5.3 ms, of 8 3.6 ms, and an interactive request waited
-    for the step in progress p50 4.0 vs 2.3-2.4 ms (loaded TTFT p50 18.7 vs 15.8-16.9).
-    (A 2 s hold measured no better than 0.5 s in `bench serving`: priority 1.21-2.04 vs
-    1.26-1.92 over three and four runs.)
+    urgent requests stay short: an interactive request's TTFT is about two steps. -1 = no
+    cap. 8 (rather than 16) and a 0.5 s hold (rather than 2 s): benchmarks/RESULTS.md.
+    seed: the generator shared by requests without a `seed` of their own. None (the
+    default) draws it from the OS once per engine, so no two engines (or restarts) sample
+    alike; an int makes those draws reproducible (tests). A request's seed is its own.
     """
 
     device: str = "cpu"
@@ -59,7 +57,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     priority_background_tokens: int = 8
     priority_hold_s: float = 0.5
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,11 +1,9 @@
 """Which cores the engine's threads run on, and keeping everything else off them.
 
-On CPU the engine's step thread (and torch's threads under it) should own its cores: on
-the 2-core VM, with the worker's loop, the Kafka clients, the broker and the gateway free
-to run anywhere, the engine thread of a saturated worker spent 15 % of the time runnable
-but waiting for its core (`/proc/<tid>/schedstat`), and gave 0.83x the tokens/s of the
-same engine alone. With the engine on one core and the rest on the other it ran without
-such waits. vLLM's CPU backend binds its OpenMP threads to cores for the same reason
+On CPU the engine's step thread (and torch's threads under it) may need to own its cores:
+with everything else of the host free to run anywhere, a saturated engine thread spent
+part of its time runnable but waiting for its core (benchmarks/RESULTS.md, serving,
+2026-11-30). vLLM's CPU backend binds its OpenMP threads to cores for the same reason
 (`VLLM_CPU_OMP_THREADS_BIND`), leaving cores to the serving front end.
 
 Linux only (`os.sched_setaffinity`); elsewhere nothing is pinned.

@@ -26,6 +26,7 @@ from engine.backends.base import (
     EngineStats,
     FinishReason,
     TokenLogprob,
+    check_request,
 )
 from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
@@ -88,6 +89,8 @@ class EngineCore:
 
     num_kv_blocks: the KV capacity the runner allocated (block 0 included); defaults to
     `runner.num_kv_blocks`, then to `config.num_kv_blocks`.
+    vocab_size: the token ids the model embeds (`runner.vocab_size` by default); None
+    leaves ids unchecked but for negatives (a fake runner).
     detokenizers: builds one detokenizer per request; None means no text (token ids only,
     stop strings ignored).
     """
@@ -101,6 +104,7 @@ class EngineCore:
         eos_token_ids: Sequence[int] = (),
         detokenizers: DetokenizerFactory | None = None,
         hash_seed: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if num_kv_blocks is None:
             num_kv_blocks = getattr(runner, "num_kv_blocks", None) or config.num_kv_blocks
@@ -110,6 +114,7 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(config, num_kv_blocks, hash_seed=hash_seed)
         self.num_kv_blocks = num_kv_blocks
+        self.vocab_size: int | None = vocab_size or getattr(runner, "vocab_size", None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenizers = detokenizers
         self._states: dict[str, _RequestState] = {}
@@ -122,6 +127,7 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises RequestRejectedError if it can never run."""
+        check_request(engine_request, self.config.max_model_len, self.vocab_size)
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=list(engine_request.prompt_token_ids),

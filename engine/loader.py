@@ -10,7 +10,6 @@ when present. `tiny-llama` is created on first use in `<data_dir>/models/` by
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,20 +55,19 @@ class LoadedModel:
         return self.generation.eos_token_ids
 
 
-def default_data_dir() -> Path:
-    return Path(os.environ.get("SLUICE_DATA_DIR", Path.home() / ".sluice"))
-
-
 def resolve_model_dir(
     model: str | Path,
     data_dir: str | Path | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A preset name -> its (created on first use) directory; anything else -> that path."""
+    """A preset name -> its (created on first use) directory under `data_dir` (the
+    settings' SLUICE_DATA_DIR, passed by the composition root); anything else -> that path."""
     if str(model) in PRESETS:
         from engine.preset import ensure_tiny_llama
 
-        return ensure_tiny_llama(Path(data_dir or default_data_dir()), config_overrides)
+        if data_dir is None:
+            raise ModelLoadError(f"the {model!r} preset needs a data_dir to be written in")
+        return ensure_tiny_llama(Path(data_dir), config_overrides)
     if config_overrides:
         raise ModelLoadError("config overrides apply only to a preset such as 'tiny-llama'")
     return Path(model)

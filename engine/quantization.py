@@ -4,10 +4,9 @@ Called by `engine.loader.load_model(..., quantization="int8")`; swaps every proj
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj` and `lm_head`) of a loaded
 `LlamaForCausalLM` for an `Int8Linear`. Embeddings and norms stay in the model dtype.
 
-Kernel choice, measured on the 2-core AVX-512/AMX dev CPU (torch 2.13): the fused
-`aten._weight_int8pack_mm` (int8 weights, bf16 activations, scales applied in the kernel)
-beats dequantize-then-matmul by 2-7x and beats dense bf16 for batch-1 decode GEMVs
-(512x32000: ~2.0 vs ~2-7 ms under load); in fp32 it is very slow, so fp32 models run the
+Kernel choice: the fused `aten._weight_int8pack_mm` (int8 weights, bf16 activations,
+scales applied in the kernel) beats dequantize-then-matmul and dense bf16 for batch-1
+decode GEMVs (benchmarks/RESULTS.md); in fp32 it is very slow, so fp32 models run the
 int8 matmul with bf16 activations and cast back.
 """
 

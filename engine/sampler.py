@@ -1,14 +1,15 @@
 """Batched token sampling from logits: greedy, temperature, top-k, top-p, seeds, logprobs.
 
 Called by `engine.runner.model_runner` after the model step, one row per request that
-samples. Order of operations (research/engine.md §6.3): temperature, then top-k, then top-p,
-then draw. Temperature 0 is greedy (argmax). A request with a seed draws from its own
+samples. Order of operations (as vLLM and TensorRT-LLM apply them): temperature, then top-k,
+then top-p, then draw. Temperature 0 is greedy (argmax). A request with a seed draws from its own
 `torch.Generator`, so its tokens do not depend on its batch neighbours; others share the
 sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,10 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
+        # seed=None: one draw of OS entropy here, none per step, so requests without a
+        # seed sample differently in every engine and after every restart
         self.generator = torch.Generator()
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        self.generator.manual_seed(secrets.randbits(64) if seed is None else seed)
 
     def sample(
         self,

@@ -6,7 +6,15 @@ reads its limits, the sampler reads the rest. No torch here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Seeds the engine accepts: the signed and the unsigned 64-bit range, so any seed an API
+# client may send as int64 or uint64 works. A negative seed is its uint64 two's
+# complement (`generator_seed`), as `torch.manual_seed` maps it.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
@@ -45,7 +53,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0.0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -55,5 +63,14 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise SamplingParamsError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+
+
+def generator_seed(seed: int) -> int:
+    """The uint64 a `torch.Generator` is seeded with: a negative seed's two's complement."""
+    return seed & MAX_SEED

@@ -10,6 +10,7 @@ a stop string, and drops the stop string itself.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -19,6 +20,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+_GIL_FREE_CHARS = 4096  # texts this long are encoded without holding the GIL
 
 
 class TokenizerError(ValueError):
@@ -85,8 +88,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: no token covers more text than it."""
+        return max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) < _GIL_FREE_CHARS:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so
+        # a long prompt tokenized on a worker thread does not stall the gateway's loop
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -105,7 +118,7 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template")
         try:
-            template = _environment().from_string(self.chat_template)
+            template = _compiled(self.chat_template)
             text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -122,6 +135,13 @@ class Tokenizer:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> jinja2.Template:
+    """A chat template compiled once: compiling took ~0.9 ms of each ~1 ms render (every
+    chat request and batch line renders one); a compiled template renders thread-safely."""
+    return _environment().from_string(source)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -168,10 +188,6 @@ class IncrementalDetokenizer:
     @property
     def finished(self) -> bool:
         return self.stop_reason is not None
-
-    @property
-    def output_text(self) -> str:
-        return self._text
 
     def add_token(self, token_id: int) -> str:
         if self.stop_reason is not None:

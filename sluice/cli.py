@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from sluice import __version__, cli_billing, cli_serving
-from sluice.cli_common import emit, emit_json, settings_or_exit
+from sluice import __version__, cli_batch, cli_billing, cli_bulk, cli_serving
+from sluice.cli_common import CONTEXT_SETTINGS, DataDir, emit, emit_json, settings_or_exit
 from sluice.settings import Settings
 
 app = typer.Typer(
@@ -19,11 +19,22 @@ app = typer.Typer(
     help="Sluice: an event-driven LLM inference pipeline (OpenAI-compatible, Kafka lanes).",
     no_args_is_help=True,
     add_completion=False,
+    context_settings=CONTEXT_SETTINGS,
+    # click's plain help: it wraps long option names where rich's table cuts them off,
+    # and keeps brackets in help text as written (rich reads "[default: …]" as markup)
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks that print ratios against a peer run side by side.")
+bench_app = typer.Typer(
+    help="Benchmarks that print ratios against a peer run side by side.",
+    context_settings=CONTEXT_SETTINGS,
+)
 app.add_typer(bench_app, name="bench")
+
+# each command that keeps state takes --data-dir and secures the dir itself before use
 cli_serving.register(app)
 cli_billing.register(app)
+cli_batch.register(app)  # an HTTP client of a running server: no data dir
+cli_bulk.register(app)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 
@@ -44,11 +55,11 @@ def main_callback(
 
 
 @app.command()
-def doctor(as_json: JsonFlag = False) -> None:
+def doctor(as_json: JsonFlag = False, data_dir: DataDir = None) -> None:
     """Check each configured service and say what is wrong, one line each."""
     from sluice.doctor import run_checks
 
-    settings = settings_or_exit(Settings)
+    settings = settings_or_exit(Settings, data_dir=data_dir)
     checks = run_checks(settings)
     if as_json:
         emit_json({"ok": all(c.ok for c in checks), "checks": [c.as_dict() for c in checks]})
@@ -63,7 +74,9 @@ def doctor(as_json: JsonFlag = False) -> None:
 
 KafkaOption = Annotated[
     str | None,
-    typer.Option(help="Kafka bootstrap; default $SLUICE_KAFKA_BOOTSTRAP or a Tansu started here."),
+    typer.Option(
+        help="Kafka bootstrap.", show_default="$SLUICE_KAFKA_BOOTSTRAP, else a Tansu started here"
+    ),
 ]
 
 
@@ -87,7 +100,9 @@ def bench_admission(
     quick: Annotated[bool, typer.Option(help="2000 requests instead of 10000.")] = False,
     redis: Annotated[
         str | None,
-        typer.Option(help="Redis URL; default $SLUICE_REDIS_URL (in-process only when unset)."),
+        typer.Option(
+            help="Redis URL.", show_default="$SLUICE_REDIS_URL, else quotas in this process"
+        ),
     ] = None,
 ) -> None:
     """What auth + admission add per request, p50/p99: in-process quotas vs Redis."""
@@ -103,7 +118,8 @@ def bench_engine(
     as_json: JsonFlag = False,
     quick: Annotated[bool, typer.Option(help="A smaller run (under two minutes).")] = False,
     model: Annotated[
-        str | None, typer.Option(help="A Hugging Face model directory (default: h512 L8 preset).")
+        str | None,
+        typer.Option(help="A Hugging Face model directory.", show_default="h512 L8 preset"),
     ] = None,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32, the same on every side.")] = (
         "bfloat16"
@@ -114,12 +130,13 @@ def bench_engine(
     gguf_q8: Annotated[
         str | None, typer.Option(help="q8_0 GGUF of the same weights, beside Sluice's int8.")
     ] = None,
+    data_dir: DataDir = None,
 ) -> None:
     """Sluice's engine vs HF generate and transformers continuous batching, side by side.
 
     Needs transformers, from the project's test extra.
     """
-    settings = settings_or_exit(Settings)
+    settings = settings_or_exit(Settings, data_dir=data_dir)
     try:
         from benchmarks.engine import render, run
     except ImportError as exc:
@@ -149,6 +166,7 @@ def bench_serving(
             " SLUICE_ENGINE_CPUS unset)."
         ),
     ] = "none",
+    data_dir: DataDir = None,
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
 
@@ -157,7 +175,7 @@ def bench_serving(
     """
     from benchmarks.serving import render, run
 
-    settings = settings_or_exit(Settings)
+    settings = settings_or_exit(Settings, data_dir=data_dir)
     result = run(
         quick=quick,
         kafka_bootstrap=kafka or settings.kafka_bootstrap,
@@ -165,6 +183,99 @@ def bench_serving(
         engine_cpus=engine_cpus,
     )
     emit(result, render, as_json)
+
+
+@bench_app.command("batch")
+def bench_batch(
+    as_json: JsonFlag = False,
+    lines: Annotated[int, typer.Option(help="Lines of the measured batch.")] = 1000,
+    max_tokens: Annotated[int, typer.Option(help="Tokens each line generates.")] = 32,
+    rounds: Annotated[int, typer.Option(help="Rounds of each throughput arm (ABBA).")] = 2,
+    window_s: Annotated[float, typer.Option(help="Each interactive TTFT window.")] = 30.0,
+) -> None:
+    """The Batch API through `sluice serve`, and `sluice bulk`, vs the engine called directly.
+
+    Tokens/s of one batch (and of `sluice bulk`) against the same requests straight into
+    the same engine in this process, and interactive TTFT p50/p99 alone vs while a batch
+    runs. Starts `sluice serve` with a scratch data dir of its own (about 3 min).
+    """
+    from benchmarks.batch import render, run
+
+    emit(run(lines, max_tokens, rounds, window_s), render, as_json)
+
+
+@bench_app.command("scale")
+def bench_scale(
+    as_json: JsonFlag = False,
+    quick: Annotated[
+        bool, typer.Option(help="One 12 s round per size, probe from 25 streams (~4 min; full ~8).")
+    ] = False,
+    kafka: KafkaOption = None,
+    backend: Annotated[
+        str, typer.Option(help="The workers' SLUICE_BACKEND: 'sim', or 'torch' (tiny-llama).")
+    ] = "sim",
+    sim_preset: Annotated[
+        str | None, typer.Option(help="The workers' SLUICE_SIM_PRESET.", show_default="theirs")
+    ] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Each worker's batch (max_num_seqs).")] = 64,
+    data_dir: DataDir = None,
+) -> None:
+    """Tokens/s, requests/s and TTFT p50/p99 of 1, 2 and 4 engine workers behind one gateway.
+
+    On Kafka, a closed loop of 2 x max_num_seqs x N streams saturating each size, the
+    ratio to one worker and the CPU of the gateway, workers and broker; then how many
+    concurrent streams one gateway holds before its p99 added TTFT passes 50 ms.
+    """
+    from benchmarks.scale import render, run
+
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    result = run(
+        quick=quick,
+        kafka_bootstrap=kafka or settings.kafka_bootstrap,
+        data_dir=str(settings.data_dir),
+        backend=backend,
+        sim_preset=sim_preset,
+        max_num_seqs=max_num_seqs,
+    )
+    emit(result, render, as_json)
+
+
+@bench_app.command("observability")
+def bench_observability(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="Two rounds per arm (about 4 min).")] = False,
+) -> None:
+    """Tracing and metrics on vs off: added TTFT p50 and throughput ON / OFF, side by side.
+
+    Two `sluice serve` processes on tiny-llama, loaded in alternating rounds: OFF with
+    SLUICE_METRICS_ENABLED=false and no OTEL_* variable; ON with metrics scraped every
+    second and spans exported over OTLP/HTTP to a receiver run here, which counts them.
+    """
+    from benchmarks.observability import render, run
+
+    emit(run(quick=quick), render, as_json)
+
+
+@bench_app.command("faults")
+def bench_faults(
+    as_json: JsonFlag = False,
+    requests: Annotated[int, typer.Option(help="Mixed requests per fault.")] = 1000,
+    max_tokens: Annotated[int, typer.Option(help="Tokens each request asks for.")] = 16,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Run only the faults whose name contains this.")
+    ] = None,
+) -> None:
+    """One row per fault (kill -9s, Kafka, Redis and PostgreSQL outages, a gateway kill,
+    a rolling restart of the engine workers):
+    requests sent, completed, failed with a clear error, lost, duplicated or missing
+    tokens, and the ledger against the engine's usage.
+
+    Runs `sluice up` fleets on a Tansu broker it starts, a Redis of its own and the
+    PostgreSQL at $SLUICE_TEST_DATABASE_URL (a scratch database per fault).
+    """
+    from benchmarks.faults import render, run
+
+    emit(run(total=requests, max_tokens=max_tokens, only=only), render, as_json)
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """CLI for tenancy and billing: `migrate`, `tenants`, `keys`, `billing report`, `prices`.
 
 `register(app)` adds them to the `sluice` app. Without SLUICE_DATABASE_URL they use the
-data dir's SQLite file, created and migrated on first use (WAL mode, so this works while
-`sluice serve` runs). Bad input exits 2 with one line on stderr; an unreachable or
-unmigrated database exits 1.
+SQLite file of the data dir (`--data-dir`, else SLUICE_DATA_DIR), created owner-only and
+migrated on first use (WAL mode, so this works while `sluice serve` runs). Bad input
+exits 2 with one line on stderr; an unreachable or unmigrated database exits 1.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import datetime as dt
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,15 +22,27 @@ from billing import admin
 from billing.db import Database, embedded_url, is_current, make_engine, migrate
 from billing.errors import BillingError, InvalidInput
 from billing.reports import render_csv, render_png, render_table
+from sluice.cli_common import CONTEXT_SETTINGS, FLAGS, DataDir, secure_data_dir
 from sluice.settings import Settings, SettingsError, load_settings
 
-tenants_app = typer.Typer(help="Create and list tenants (each with its own plan limits).")
-keys_app = typer.Typer(help="Create, list and revoke API keys (shown once at creation).")
-billing_app = typer.Typer(help="Usage and cost reports from the usage ledger.")
-prices_app = typer.Typer(help="The price book: USD per million tokens per model.")
+tenants_app = typer.Typer(
+    help="Create and list tenants (each with its own plan limits).",
+    context_settings=CONTEXT_SETTINGS,
+)
+keys_app = typer.Typer(
+    help="Create, list and revoke API keys (shown once at creation).",
+    context_settings=CONTEXT_SETTINGS,
+)
+billing_app = typer.Typer(
+    help="Usage and cost reports from the usage ledger.", context_settings=CONTEXT_SETTINGS
+)
+prices_app = typer.Typer(
+    help="The price book: USD per million tokens per model.", context_settings=CONTEXT_SETTINGS
+)
 
 _DRIVER_MODULES = {"sqlalchemy", "psycopg", "sqlite3", "alembic"}
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+_NO_LIMIT = "no limit"  # a plan limit left unset is not enforced
 
 
 def register(app: typer.Typer) -> None:
@@ -47,15 +60,17 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 @contextmanager
-def _database(*, require_current: bool = True) -> Iterator[Database]:
-    """The configured database; embedded SQLite is created and migrated on first use."""
+def _database(data_dir: Path | None, *, require_current: bool = True) -> Iterator[Database]:
+    """The configured database; embedded SQLite is created (owner-only) and migrated on
+    first use."""
     try:
-        settings = load_settings(Settings)
+        settings = load_settings(Settings, flags=FLAGS, data_dir=data_dir)
     except SettingsError as exc:
         raise _fail(str(exc).replace("\n", "; "), 2) from exc
     db: Database | None = None
     try:
         if settings.database_url is None:
+            secure_data_dir(settings)  # before SQLite creates it with the umask's mode
             db = Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True)
         else:
             db = Database(make_engine(settings.database_url))
@@ -81,9 +96,9 @@ def _emit(payload: Any) -> None:
     typer.echo(json.dumps(payload, indent=2, default=str))
 
 
-def migrate_command() -> None:
+def migrate_command(data_dir: DataDir = None) -> None:
     """Create or upgrade the billing database schema to the latest revision."""
-    with _database(require_current=False) as db:
+    with _database(data_dir, require_current=False) as db:
         migrate(db.engine)
         typer.echo(f"database at revision head ({db.dialect})")
 
@@ -91,18 +106,23 @@ def migrate_command() -> None:
 @tenants_app.command("create")
 def tenants_create(
     name: Annotated[str, typer.Argument(help="Unique tenant name.")],
-    rpm: Annotated[int | None, typer.Option(help="Requests per minute.", min=0)] = None,
-    tpm: Annotated[int | None, typer.Option(help="Tokens per minute.", min=0)] = None,
+    rpm: Annotated[
+        int | None, typer.Option(help="Requests per minute.", min=0, show_default=_NO_LIMIT)
+    ] = None,
+    tpm: Annotated[
+        int | None, typer.Option(help="Tokens per minute.", min=0, show_default=_NO_LIMIT)
+    ] = None,
     max_concurrency: Annotated[
-        int | None, typer.Option(help="Requests in flight at once.", min=0)
+        int | None, typer.Option(help="Requests in flight at once.", min=0, show_default=_NO_LIMIT)
     ] = None,
     monthly_budget: Annotated[
-        str | None, typer.Option(help="Monthly budget in USD, e.g. 25.00.")
+        str | None, typer.Option(help="Monthly budget in USD, e.g. 25.00.", show_default=_NO_LIMIT)
     ] = None,
     as_json: JsonFlag = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Create a tenant with its limits and a first API key (the key is shown once)."""
-    with _database() as db:
+    with _database(data_dir) as db:
         row = admin.create_tenant(db, name, rpm=rpm, tpm=tpm, max_concurrency=max_concurrency,
                                   monthly_budget_usd=monthly_budget)  # fmt: skip
     if as_json:
@@ -113,9 +133,9 @@ def tenants_create(
 
 
 @tenants_app.command("list")
-def tenants_list(as_json: JsonFlag = False) -> None:
+def tenants_list(as_json: JsonFlag = False, data_dir: DataDir = None) -> None:
     """List tenants with their limits."""
-    with _database() as db:
+    with _database(data_dir) as db:
         rows = admin.list_tenants(db)
     if as_json:
         _emit(rows)
@@ -133,9 +153,10 @@ def keys_create(
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant name or id.")],
     name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
     as_json: JsonFlag = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Create an API key for a tenant; the plaintext is printed once and never stored."""
-    with _database() as db:
+    with _database(data_dir) as db:
         row = admin.create_key(db, tenant, name)
     if as_json:
         _emit(row)
@@ -145,11 +166,14 @@ def keys_create(
 
 @keys_app.command("list")
 def keys_list(
-    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="Only this tenant.", show_default="all")
+    ] = None,
     as_json: JsonFlag = False,
+    data_dir: DataDir = None,
 ) -> None:
     """List keys (prefix only, never the secret)."""
-    with _database() as db:
+    with _database(data_dir) as db:
         rows = admin.list_keys(db, tenant)
     if as_json:
         _emit(rows)
@@ -160,9 +184,12 @@ def keys_list(
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key id (key_…).")]) -> None:
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id (key_…).")],
+    data_dir: DataDir = None,
+) -> None:
     """Revoke a key; gateways stop accepting it within their auth cache TTL (5 s)."""
-    with _database() as db:
+    with _database(data_dir) as db:
         admin.revoke_key(db, key_id)
     typer.echo(f"revoked {key_id}")
 
@@ -176,11 +203,16 @@ def _date(value: str | None, flag: str) -> dt.date | None:
 
 @billing_app.command("report")
 def billing_report(
-    tenant: Annotated[str | None, typer.Option(help="Tenant name or id (default: all).")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="Tenant name or id.", show_default="all")
+    ] = None,
     since: Annotated[str | None, typer.Option(help="First day, YYYY-MM-DD (UTC).")] = None,
     until: Annotated[str | None, typer.Option(help="Last day, YYYY-MM-DD, inclusive.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv, json or png.")] = "table",
-    output: Annotated[Path | None, typer.Option(help="Write to this file.")] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="Write to this file.", show_default="stdout")
+    ] = None,
+    data_dir: DataDir = None,
 ) -> None:
     """Requests, tokens and cost by model and by day."""
     if fmt not in ("table", "csv", "json", "png"):
@@ -190,7 +222,7 @@ def billing_report(
     first, last = _date(since, "--since"), _date(until, "--until")
     if first and last and first > last:
         raise _fail("--since is after --until", 2)
-    with _database() as db:
+    with _database(data_dir) as db:
         report = admin.report(db, tenant=tenant, since=first, until=last)
     if fmt == "png":
         assert output is not None
@@ -218,25 +250,39 @@ def prices_set(
     ],
     output_usd: Annotated[str, typer.Option("--output", help="USD per 1M output tokens.")],
     batch_discount: Annotated[
-        str, typer.Option(help="Fraction off on the batch lane, e.g. 0.5.")
+        str, typer.Option(help="Fraction off on the batch lane, e.g. 0.5 for 50% off.")
     ] = "0",
+    data_dir: DataDir = None,
 ) -> None:
     """Set (or replace) a model's prices; applies to usage recorded from now on."""
-    with _database() as db:
+    with _database(data_dir) as db:
         row = admin.set_price(db, model, input_usd=input_usd, cached_input_usd=cached_input_usd,
                               output_usd=output_usd, batch_discount=batch_discount)  # fmt: skip
     typer.echo(f"{row['model']}: input {input_usd}, cached {cached_input_usd}, "
-               f"output {output_usd} USD/1M tokens, batch discount {batch_discount}")  # fmt: skip
+               f"output {output_usd} USD/1M tokens, "
+               f"batch discount {_percent(row['batch_discount'])}")  # fmt: skip
+
+
+def _percent(fraction: str) -> str:
+    """'0.5' → '50%', '0.125' → '12.5%' (the price book keeps basis points)."""
+    return f"{(Decimal(fraction) * 100).normalize():f}%"
 
 
 @prices_app.command("list")
-def prices_list(as_json: JsonFlag = False) -> None:
+def prices_list(as_json: JsonFlag = False, data_dir: DataDir = None) -> None:
     """List the price book (USD per million tokens)."""
-    with _database() as db:
+    with _database(data_dir) as db:
         rows = admin.list_prices(db)
     if as_json:
         _emit(rows)
         return
+    if not rows:
+        typer.echo(
+            "no prices set: usage is recorded unpriced (cost 0) until "
+            "`sluice prices set MODEL --input X --cached-input Y --output Z`"
+        )
+        return
     for r in rows:
+        off = _percent(r["batch_discount"])
         typer.echo(f"{r['model']:<30} in {r['input_usd']:>10}  cached {r['cached_input_usd']:>10}"
-                   f"  out {r['output_usd']:>10}  batch -{r['batch_discount']}")  # fmt: skip
+                   f"  out {r['output_usd']:>10}  batch {off:>6} off")  # fmt: skip

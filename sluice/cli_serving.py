@@ -1,8 +1,10 @@
-"""Serving commands: `serve` (embedded), `gateway`, `worker engine|billing|quotas`, `up`.
+"""Serving commands: `serve` (embedded), `gateway`, `worker engine|billing|quotas|batches|
+batches-beat`, `up`.
 
 Every serving command takes the same model flags; `up` passes them on to the processes
 it starts, whose command lines are the equivalent `sluice gateway …`,
-`sluice worker engine …`, `sluice worker billing` and `sluice worker quotas`.
+`sluice worker engine …`, `sluice worker billing`, `sluice worker quotas`,
+`sluice worker batches …` and `sluice worker batches-beat`.
 
 Keys: with a tenant store (always in `serve`; with SLUICE_DATABASE_URL in `gateway`)
 callers use tenant keys (`sluice tenants create`) and are admitted against their plan.
@@ -13,37 +15,86 @@ store (`gateway` with no SLUICE_DATABASE_URL) the static keys are the only keys.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
+import os
 import secrets
 import signal
+import socket
+import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Any
 
 import typer
 
-from sluice.cli_common import settings_or_exit
+from sluice.cli_common import CONTEXT_SETTINGS, secure_data_dir, settings_or_exit
+from sluice.cli_common import DataDir as DataDir  # re-exported: `bulk` takes it from here
 from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
 
 logger = logging.getLogger(__name__)
 
-worker_app = typer.Typer(help="Processes that run behind the bus.", no_args_is_help=True)
+worker_app = typer.Typer(
+    help="Processes that run behind the bus.",
+    no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
+)
 
-Host = Annotated[str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")]
-Port = Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")]
-Model = Annotated[str | None, typer.Option(help="'tiny-llama' or a Hugging Face model directory.")]
+# None means "as the settings say" (SLUICE_* or their default), which show_default names
+Host = Annotated[
+    str | None,
+    typer.Option(help="Address to listen on; overrides $SLUICE_HOST.", show_default="127.0.0.1"),
+]
+Port = Annotated[
+    int | None,
+    typer.Option(help="Port to listen on; overrides $SLUICE_PORT.", show_default="8000"),
+]
+Model = Annotated[
+    str | None,
+    typer.Option(
+        help="'tiny-llama' or a Hugging Face model directory; overrides $SLUICE_MODEL.",
+        show_default="tiny-llama",
+    ),
+]
 ServedName = Annotated[
-    str | None, typer.Option("--served-model-name", help="The model name clients use.")
+    str | None,
+    typer.Option(
+        "--served-model-name",
+        help="The model name clients use.",
+        show_default="the model's name",
+    ),
 ]
 Dtype = Annotated[
-    str | None, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
+    str | None,
+    typer.Option(
+        help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.", show_default="auto"
+    ),
 ]
-DataDir = Annotated[Path | None, typer.Option(help="Where models and state live.")]
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", help="The bearer key to accept (generated if unset).")
+]
+Backend = Annotated[
+    str | None,
+    typer.Option(
+        help="The engine: 'torch', 'sim' (a modelled GPU: $SLUICE_SIM_PRESET, no weights,"
+        " almost no CPU) or 'upstream' (OpenAI-compatible engine servers: --upstream-url);"
+        " overrides $SLUICE_BACKEND.",
+        show_default="torch",
+    ),
+]
+UpstreamUrl = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--upstream-url",
+        metavar="URL",
+        help="An engine server for --backend upstream (vLLM, trtllm-serve, SGLang, llama.cpp,"
+        " sluice serve), its base URL without /v1; repeat for several; overrides"
+        " $SLUICE_UPSTREAM_URLS.",
+        show_default=False,
+    ),
 ]
 
 
@@ -58,13 +109,52 @@ def _model_overrides(
     }
 
 
+def _upstream(urls: list[str] | None) -> dict[str, Any]:
+    return {"upstream_urls": ",".join(urls) if urls else None}
+
+
+API_KEY_FILE = "api_key"  # in the data dir: the generated key, kept across starts
+TINY_LLAMA = "tiny-llama"  # the preset (engine.loader.PRESETS), named without importing torch
+TINY_LLAMA_NOTICE = (
+    "tiny-llama has random weights: replies are gibberish; "
+    "serve a real model with --model /path/to/hf-dir"
+)
+
+
 def _keys(api_key: str | None, settings: GatewaySettings) -> GatewaySettings:
-    """--api-key wins; else SLUICE_API_KEYS; else a generated key, printed once."""
+    """--api-key wins; else SLUICE_API_KEYS; else the key kept in `<data_dir>/api_key`
+    (generated on the first start), so clients keep working across restarts."""
     if api_key:
         return settings.model_copy(update={"api_keys": [api_key]})
     if settings.api_keys:
         return settings
-    return settings.model_copy(update={"api_keys": [f"sk-sluice-{secrets.token_urlsafe(24)}"]})
+    return settings.model_copy(update={"api_keys": [_stored_key(_key_file(settings))]})
+
+
+def _key_file(settings: Settings) -> Path:
+    return settings.data_dir.expanduser() / API_KEY_FILE
+
+
+def _read_key(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _stored_key(path: Path) -> str:
+    """The key in `path` (made owner-only if it was not); a new one written there (0600)
+    when it is missing or empty."""
+    key = _read_key(path)
+    if key is None:
+        key = f"sk-sluice-{secrets.token_urlsafe(24)}"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{key}\n")
+    if stat.S_IMODE(path.stat().st_mode) != 0o600:
+        path.chmod(0o600)  # it is a credential: an existing file may have the umask's mode
+    return key
 
 
 def _announce(
@@ -72,32 +162,60 @@ def _announce(
 ) -> None:
     url = f"http://{settings.host}:{settings.port}/v1"
     typer.echo(f"sluice {mode}: serving {model_name!r} at {url}")
+    if settings.model == TINY_LLAMA:
+        typer.echo(TINY_LLAMA_NOTICE)
     if admission is not None:
         from billing.admin import has_tenants
 
         if has_tenants(admission.auth.db):
             typer.echo("tenant keys only: the tenant store has tenants (sluice tenants list)")
             return
-    typer.echo(f"api key: {settings.api_keys[0]}")
-    typer.echo(f'try: curl {url}/models -H "Authorization: Bearer {settings.api_keys[0]}"')
+    # stdout once, for the person starting it; never through logging (log files persist)
+    key, key_file = settings.api_keys[0], _key_file(settings)
+    kept = f" (kept in {key_file}, reused on every start)" if _read_key(key_file) == key else ""
+    typer.echo(f"api key: {key}{kept}")
+    typer.echo(f'try: curl {url}/models -H "Authorization: Bearer <api key>"')
 
 
-def _uvicorn(app: Any, settings: GatewaySettings) -> None:
+def _report_startup(
+    server: Any, app: Any, worker: Any, backend: Any, announce: Callable[[], None]
+) -> None:
+    """`serve`'s start-up lines (a thread): progress on stderr while the engine loads, then
+    `announce` once a request would be answered: `/readyz`'s checks (HTTP server up, reply
+    consumer running, engine worker ready). Polled: these flags come with no event."""
+    started = time.monotonic()
+    said_pid = False
+    while True:
+        if not worker.health():
+            typer.echo("sluice serve: the engine worker stopped before it was ready", err=True)
+            return
+        pid = getattr(backend, "pid", None)
+        if pid is not None and not said_pid:
+            typer.echo(f"sluice serve: engine process pid={pid} started, loading", err=True)
+            said_pid = True
+        probe, service = app.state.worker_probe, app.state.gateway.service
+        if server.started and service.ready and probe.ready():
+            took_s = time.monotonic() - started
+            typer.echo(f"sluice serve: engine ready after {took_s:.1f}s", err=True)
+            announce()
+            return
+        time.sleep(0.1)
+
+
+def _uvicorn(
+    app: Any, settings: GatewaySettings, watch: Callable[[Any], None] | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT, then return (so the caller can drain and exit 0).
+    `watch(server)` runs on a thread of its own meanwhile.
 
     uvicorn's own handlers re-raise the signal after shutdown, which would kill the
     process before the engine worker drains; ours only ask the server to exit.
     """
-    import uvicorn
+    from sluice.http_server import build_server
 
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-    server = _Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
-    )
+    server = build_server(app, settings)
+    if watch is not None:
+        threading.Thread(target=watch, args=(server,), name="sluice-startup", daemon=True).start()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         logger.info("signal %s: shutting down the gateway", signum)
@@ -116,30 +234,59 @@ def serve(
     dtype: Dtype = None,
     data_dir: DataDir = None,
     api_key: ApiKey = None,
+    backend: Backend = None,
+    upstream_url: UpstreamUrl = None,
 ) -> None:
     """Run everything in one process on the in-memory bus (embedded mode)."""
     from bus.memory import MemoryEventBus
     from sluice import wiring
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    gateway = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
-    worker_settings = settings_or_exit(EngineWorkerSettings, **overrides)
+    settings = settings_or_exit(GatewaySettings, host=host, port=port, **overrides)
+    worker_settings = settings_or_exit(
+        EngineWorkerSettings, backend=backend, **_upstream(upstream_url), **overrides
+    )
+    secure_data_dir(settings)  # before a model download creates it with the umask's mode
+    switch_metrics(settings)
+    gateway = _keys(api_key, settings)
+    typer.echo(
+        f"sluice serve: loading {gateway.model_name!r}; the URL and key follow once it answers",
+        err=True,
+    )
     bus = MemoryEventBus()
     bus.create_topics(wiring.topic_layout(gateway).specs())
-    backend = wiring.build_backend(worker_settings)
-    worker = wiring.build_worker(worker_settings, bus, backend)
+    options = wiring.engine_options(worker_settings)
+    wiring.apply_process_effects(worker_settings, options)
+    engine = wiring.build_backend(worker_settings, options)
+    worker = wiring.build_worker(worker_settings, bus, engine)
     thread = threading.Thread(target=worker.run, name="sluice-engine-worker", daemon=True)
     thread.start()
     admission = wiring.open_tenancy(gateway, embedded=True)
     assert admission is not None
-    consumers = wiring.ConsumerThreads(bus, admission).start()
-    served = wiring.served_model(gateway, backend.tokenizer)
-    app = wiring.build_gateway_app(gateway, bus, served, admission)
-    _announce(gateway, gateway.model_name, "serve", admission)
+    # the tracing consumer runs only when spans are exported (nothing slowed otherwise)
+    exported = configure_process_tracing("sluice")
+    consumers = wiring.ConsumerThreads(bus, admission, tracing=exported).start()
+    # the engine's tokenizer when it loaded one (torch, sim, upstream); else read again
+    served = wiring.served_model(gateway, getattr(engine, "tokenizer", None))
+    batches = wiring.in_process_batches(
+        gateway,
+        bus,
+        [served],
+        admission.auth.db,
+        recover_on_start=True,
+        engine_ready=wiring.WorkerProbe([worker]).ready,
+    ).start()
+    app = wiring.build_gateway_app(gateway, bus, served, admission, batches=batches)
+    # the URL and key only once a request would be answered, not while the model loads
+    announce = functools.partial(_announce, gateway, gateway.model_name, "serve", admission)
+    watch = functools.partial(
+        _report_startup, app=app, worker=worker, backend=engine, announce=announce
+    )
     wiring.freeze_heap()
     try:
-        _uvicorn(app, gateway)
+        _uvicorn(app, gateway, watch)
     finally:
+        batches.stop()
         worker.drain(worker_settings.drain_timeout_s)
         consumers.stop()
         admission.close()
@@ -160,14 +307,22 @@ def gateway(
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
-    bus = wiring.make_bus(settings, client_id="sluice-gateway")
+    switch_metrics(settings)
+    configure_process_tracing("sluice-gateway")
+    # a request the gateway answered 503 for (not published in time) is never published
+    bus = wiring.make_bus(
+        settings, client_id="sluice-gateway", message_timeout_s=settings.publish_timeout_s
+    )
     admission = wiring.open_tenancy(settings, embedded=False)
-    app = wiring.build_gateway_app(settings, bus, wiring.served_model(settings), admission)
+    served = wiring.served_model(settings)
+    batches = wiring.gateway_batches(settings, bus, [served], admission)
+    app = wiring.build_gateway_app(settings, bus, served, admission, batches=batches)
     _announce(settings, settings.model_name, "gateway", admission)
     wiring.freeze_heap()
     try:
         _uvicorn(app, settings)
     finally:
+        wiring.stop_batches(batches)
         bus.close()
         if admission is not None:
             admission.close()
@@ -179,15 +334,33 @@ def worker_engine(
     served_model_name: ServedName = None,
     dtype: Dtype = None,
     data_dir: DataDir = None,
+    backend: Backend = None,
+    upstream_url: UpstreamUrl = None,
 ) -> None:
     """Run one engine worker on Kafka: pull requests, run the engine, publish tokens."""
     from sluice import wiring
+    from tracing.metrics import set_probes
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    settings = settings_or_exit(EngineWorkerSettings, **overrides)
+    settings = settings_or_exit(
+        EngineWorkerSettings, backend=backend, **_upstream(upstream_url), **overrides
+    )
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-engine-worker")
-    worker = wiring.build_worker(settings, bus, wiring.build_backend(settings))
+    configure_process_tracing("sluice-engine")  # its hot path makes no spans (telemetry)
+    serve_metrics(settings)
+    options = wiring.engine_options(settings)
+    wiring.apply_process_effects(settings, options)
+    worker = wiring.build_worker(settings, bus, wiring.build_backend(settings, options))
+    probe = wiring.WorkerProbe([worker])
+    set_probes(healthy=probe.healthy, ready=probe.ready)  # on the metrics port
+    if not settings.redis_url:
+        logger.warning(
+            "SLUICE_REDIS_URL is unset: progress stays in this process, so a request whose "
+            "partition moves to another worker runs again from the start under the same "
+            "attempt (its client gets every token, but the usage of the first run may not "
+            "be billed); set it whenever more than one engine worker runs"
+        )
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         logger.info("signal %s: draining engine worker", signum)
@@ -211,7 +384,10 @@ def worker_billing(data_dir: DataDir = None) -> None:
 
     settings = settings_or_exit(Settings, data_dir=data_dir)
     _require_kafka(settings)
+    secure_data_dir(settings)
     bus = wiring.make_bus(settings, client_id="sluice-billing")
+    configure_process_tracing("sluice-billing")
+    serve_metrics(settings)
     ledger = wiring.billing_store(settings)
     try:
         run_until_signalled(billing_loop(bus, ledger))
@@ -232,13 +408,132 @@ def worker_quotas(data_dir: DataDir = None) -> None:
     if not settings.redis_url:
         typer.echo("the quotas worker settles in Redis: set SLUICE_REDIS_URL", err=True)
         raise typer.Exit(2)
+    secure_data_dir(settings)
     bus = wiring.make_bus(settings, client_id="sluice-quotas")
+    configure_process_tracing("sluice-quotas")
+    serve_metrics(settings)
     settler = wiring.quota_settler(settings)
     try:
         run_until_signalled(quotas_loop(bus, settler))
     finally:
         bus.close()
         settler.quotas.close()
+
+
+@worker_app.command("tracing")
+def worker_tracing(data_dir: DataDir = None) -> None:
+    """Run the tracing consumer on Kafka: telemetry records → engine-side spans (OTLP).
+
+    Exits at once (status 0) when no span exporter is configured: it would build spans
+    for nobody, and `sluice up` starts it only when one is."""
+    from consumers.loop import run_until_signalled
+    from consumers.tracing.handler import tracing_loop
+    from sluice import wiring
+
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    if not configure_process_tracing("sluice-tracing"):
+        typer.echo(
+            "sluice worker tracing: no span exporter is configured, nothing to do "
+            "(set OTEL_EXPORTER_OTLP_ENDPOINT=http://host:4318, or OTEL_TRACES_EXPORTER)",
+            err=True,
+        )
+        return
+    _require_kafka(settings)
+    bus = wiring.make_bus(settings, client_id="sluice-tracing")
+    serve_metrics(settings)
+    try:
+        run_until_signalled(tracing_loop(bus))
+    finally:
+        bus.close()
+
+
+@worker_app.command("batches")
+def worker_batches(
+    model: Model = None,
+    served_model_name: ServedName = None,
+    dtype: Dtype = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run the batch steps on Kafka: a Celery worker and the batch answers' collector.
+
+    Celery runs validate, dispatch, finalize, cancel and sweep; the collector stores the
+    engine's answers to batch lines. Needs SLUICE_DATABASE_URL and a Celery broker.
+    """
+    from consumers.batches.tasks import QUEUE
+    from sluice import wiring
+
+    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    # the runner builds a line's requests as the gateway builds them, with its limits
+    settings = settings_or_exit(GatewaySettings, **overrides)
+    _require_kafka(settings)
+    _require_batch_services(settings, "batches worker")
+    bus = wiring.make_bus(settings, client_id="sluice-batches")
+    serve_metrics(settings)
+    parts = wiring.batch_worker(settings, bus)
+    collector_failed = threading.Event()
+
+    def collect() -> None:
+        try:
+            parts.collector.run()
+        except Exception:
+            logger.exception("the batches collector failed")
+            # exit, so that `sluice up` (or whoever supervises this) starts a fresh one
+            collector_failed.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=collect, name="sluice-batches-collector", daemon=True)
+    thread.start()
+    # Celery's worker owns SIGTERM/SIGINT here: a warm shutdown lets running steps end
+    worker = parts.app.Worker(
+        hostname=f"batches@{socket.gethostname()}-{os.getpid()}",
+        pool="threads",
+        concurrency=2,
+        loglevel=settings.log_level,
+        queues=[QUEUE],
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+        quiet=True,
+        redirect_stdouts=False,
+    )
+    try:
+        worker.start()
+    finally:
+        parts.collector.stop()  # it stores what it finished, then commits
+        thread.join(30.0)
+        logger.info("batches worker stopped: %d lines stored", parts.collector.lines_stored)
+        parts.app.close()
+        bus.close()
+        parts.db.close()
+    if collector_failed.is_set() or worker.exitcode:
+        raise typer.Exit(1)
+
+
+@worker_app.command("batches-beat")
+def worker_batches_beat(data_dir: DataDir = None) -> None:
+    """Run Celery beat: the batch sweep every SLUICE_BATCH_SWEEP_S (run exactly one).
+
+    The sweep expires batches past their window, finalizes finished ones and reruns the
+    steps of batches whose task was lost.
+    """
+    from sluice import wiring
+
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    if not settings.celery_broker:
+        typer.echo(_NO_BROKER.format(what="batches beat"), err=True)
+        raise typer.Exit(2)
+    schedule = settings.data_dir.expanduser() / "batches-beat-schedule"
+    schedule.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    app = wiring.celery_app(settings)
+    serve_metrics(settings)  # only the process's own metrics: `up` scrapes every child
+    # beat's own SIGTERM/SIGINT handlers save its schedule and return from run()
+    beat = app.Beat(
+        schedule=str(schedule), loglevel=settings.log_level, quiet=True, redirect_stdouts=False
+    )
+    try:
+        beat.run()
+    finally:
+        app.close()
 
 
 def up(
@@ -253,7 +548,9 @@ def up(
     restart: Annotated[bool, typer.Option(help="Restart a child that dies.")] = True,
 ) -> None:
     """Run the distributed stack as local processes: gateway, N engine workers, billing
-    (and quotas, with SLUICE_REDIS_URL).
+    (and quotas, with SLUICE_REDIS_URL; the batches worker and its beat, with
+    SLUICE_DATABASE_URL and a Celery broker; the tracing worker, when the OTEL_*
+    variables export spans).
 
     Uses SLUICE_KAFKA_BOOTSTRAP, or starts a Tansu broker when it is unset.
     """
@@ -264,19 +561,47 @@ def up(
     model_flags = _flags(
         model=model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
     )
-    gateway_flags = [
-        *model_flags,
-        *_flags(host=settings.host, port=settings.port, api_key=settings.api_keys[0]),
-    ]
+    # the keys go in the gateway's environment: a command line is readable in `ps`
+    gateway_flags = [*model_flags, *_flags(host=settings.host, port=settings.port)]
+    gateway_env = {"SLUICE_API_KEYS": ",".join(settings.api_keys)}
     _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)")
-    data_flags = _flags(data_dir=data_dir)
-    extra: list[tuple[str, list[str]]] = [("billing", ["worker", "billing", *data_flags])]
-    if settings.redis_url:
-        extra.append(("quotas", ["worker", "quotas", *data_flags]))
     code = run_up(
-        gateway_flags, model_flags, engine_workers, settings.kafka_bootstrap, restart, extra
+        gateway_flags,
+        model_flags,
+        engine_workers,
+        settings.kafka_bootstrap,
+        restart,
+        _side_workers(settings, model_flags, _flags(data_dir=data_dir)),
+        gateway_env=gateway_env,
+        tansu_bin=settings.tansu_bin,
+        metrics_targets=settings.data_dir.expanduser() / METRICS_TARGETS_FILE,
+        gateway_address=f"{_local(settings.host)}:{settings.port}",
     )
     raise typer.Exit(code)
+
+
+METRICS_TARGETS_FILE = "metrics-targets.json"  # in the data dir: Prometheus' file_sd targets
+
+
+def _local(host: str) -> str:
+    """An address to reach a server listening on `host` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _side_workers(
+    settings: Settings, model_flags: list[str], data_flags: list[str]
+) -> list[tuple[str, list[str]]]:
+    """`up`'s workers beside the gateway and the engine workers: (name, `sluice` args)."""
+    workers = [("billing", ["worker", "billing", *data_flags])]
+    if spans_exported():  # the OTEL_* variables ask for spans (tracing.setup)
+        workers.append(("tracing", ["worker", "tracing", *data_flags]))
+    if settings.redis_url:
+        workers.append(("quotas", ["worker", "quotas", *data_flags]))
+    if settings.database_url and settings.celery_broker:
+        workers.append(("batches", ["worker", "batches", *model_flags]))
+        workers.append(("batches-beat", ["worker", "batches-beat", *data_flags]))
+    # else the gateway runs the batch steps itself (with a database; without, no batches)
+    return workers
 
 
 def _flags(**values: Any) -> list[str]:
@@ -287,6 +612,37 @@ def _flags(**values: Any) -> list[str]:
     return out
 
 
+def serve_metrics(settings: Settings) -> None:
+    """A worker's Prometheus metrics on SLUICE_METRICS_PORT (`sluice up` gives each child
+    one), served by a thread of its own; nothing when it is unset. Applies
+    SLUICE_METRICS_ENABLED first (`switch_metrics`)."""
+    from tracing.metrics import start_metrics_server
+
+    switch_metrics(settings)
+    start_metrics_server(settings.metrics_port, settings.metrics_host)
+
+
+def switch_metrics(settings: Settings) -> None:
+    """SLUICE_METRICS_ENABLED=false: nothing is counted or observed in this process
+    (`tracing.metrics.set_enabled`); applied before any worker or consumer starts."""
+    from tracing.metrics import set_enabled
+
+    set_enabled(settings.metrics_enabled)
+
+
+def configure_process_tracing(service_name: str) -> bool:
+    """This process's spans, exported as the OTEL_* variables ask; False: none are."""
+    from tracing.setup import configure_tracing
+
+    return configure_tracing(service_name) is not None
+
+
+def spans_exported() -> bool:
+    from tracing.setup import spans_exported as exported
+
+    return exported()
+
+
 def _require_kafka(settings: Settings) -> None:
     if not settings.kafka_bootstrap:
         typer.echo(
@@ -294,6 +650,25 @@ def _require_kafka(settings: Settings) -> None:
             "(or use `sluice serve` for one process, `sluice up` to start a broker too)",
             err=True,
         )
+        raise typer.Exit(2)
+
+
+_NO_BROKER = (
+    "the {what} needs a Celery broker: set SLUICE_CELERY_BROKER_URL (or SLUICE_REDIS_URL, "
+    "which it defaults to), e.g. redis://127.0.0.1:6379/0"
+)
+
+
+def _require_batch_services(settings: Settings, what: str) -> None:
+    if not settings.database_url:
+        typer.echo(
+            f"the {what} keeps batches in PostgreSQL: set SLUICE_DATABASE_URL "
+            "(and run `sluice migrate` once)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if not settings.celery_broker:
+        typer.echo(_NO_BROKER.format(what=what), err=True)
         raise typer.Exit(2)
 
 

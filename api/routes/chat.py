@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import prepare
 from api.auth import Principal, require_principal
-from api.deps import Gateway, call_id, gateway
+from api.deps import Gateway, build_off_loop_if_large, call_id, gateway
 from api.errors import InvalidRequest, error_for_finish
 from api.formatting import ChatFormat, generation_usage
 from api.generation import Generation
@@ -56,7 +56,7 @@ def _validate(body: ChatCompletionRequest, gw: Gateway) -> None:
 
 
 def build(
-    body: ChatCompletionRequest, request: Request, principal: Principal, gw: Gateway
+    body: ChatCompletionRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> tuple[Call, ServedModel]:
     model = gw.models.get(body.model)
     _validate(body, gw)
@@ -68,14 +68,14 @@ def build(
     sampling = _sampling(body, model, len(prompt_ids))
     prepare.check_prompt(model, prompt_ids, sampling.max_tokens, "messages")
     call = gw.call(
-        request.headers,
+        headers,
         principal,
         model,
         [prompt_ids],
         n=body.n,
         sampling=sampling,
         service_tier=body.service_tier,
-        call_id=call_id(request),
+        call_id=cid,
     )
     return call, model
 
@@ -87,7 +87,10 @@ async def create_chat_completion(
     principal: Principal = Depends(require_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
-    call, model = build(body, request, principal, gw)
+    cid = call_id(request)
+    call, model = await build_off_loop_if_large(
+        request, lambda: build(body, request.headers, principal, gw, cid)
+    )
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ChatFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     if body.stream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -10,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import prepare
 from api.auth import Principal, require_principal
-from api.deps import Gateway, call_id, gateway
+from api.deps import Gateway, build_off_loop_if_large, call_id, gateway
 from api.errors import error_for_finish
 from api.formatting import CompletionFormat, generation_usage
 from api.generation import Generation
@@ -24,7 +25,7 @@ router = APIRouter(prefix="/v1", tags=["completions"])
 
 
 def build(
-    body: CompletionRequest, request: Request, principal: Principal, gw: Gateway
+    body: CompletionRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> tuple[Call, ServedModel]:
     model = gw.models.get(body.model)
     prepare.check_common(body, gw.limits)
@@ -52,14 +53,14 @@ def build(
         logprobs=body.logprobs,
     )
     call = gw.call(
-        request.headers,
+        headers,
         principal,
         model,
         prompts,
         n=body.n,
         sampling=sampling,
         service_tier=body.service_tier,
-        call_id=call_id(request),
+        call_id=cid,
     )
     return call, model
 
@@ -71,28 +72,45 @@ async def create_completion(
     principal: Principal = Depends(require_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
-    call, model = build(body, request, principal, gw)
+    cid = call_id(request)
+    call, model = await build_off_loop_if_large(
+        request, lambda: build(body, request.headers, principal, gw, cid)
+    )
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     want_logprobs = body.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(
-            _stream(generation, fmt, call, want_logprobs, include_usage, gw.sse_ping_s)
+            _stream(
+                generation,
+                fmt,
+                call,
+                _Wants(want_logprobs, body.return_token_ids, include_usage),
+                gw.sse_ping_s,
+            )
         )
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(fmt.completion(results, usage_obj, want_logprobs))
+    return JSONResponse(fmt.completion(results, usage_obj, want_logprobs, body.return_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class _Wants:
+    """What a stream's chunks carry beyond the text."""
+
+    logprobs: bool
+    token_ids: bool
+    usage: bool
 
 
 async def _stream(
     generation: Generation,
     fmt: CompletionFormat,
     call: Call,
-    want_logprobs: bool,
-    include_usage: bool,
+    wants: _Wants,
     ping_s: float,
 ) -> AsyncIterator[str]:
     text_offsets = [0] * len(generation.tracks)
@@ -107,18 +125,25 @@ async def _stream(
                     yield sse_data(error.body())
                     yield DONE
                     return
-            if ev.text or ev.finish_reason is not None or (want_logprobs and ev.logprobs):
+            # with token ids, a token whose text is still held back gets a chunk too
+            if (
+                ev.text
+                or ev.finish_reason is not None
+                or (wants.logprobs and ev.logprobs)
+                or (wants.token_ids and ev.token_ids)
+            ):
                 chunk = fmt.chunk(
                     ev.index,
                     ev.text,
                     ev.finish_reason,
                     ev.logprobs,
                     text_offsets[ev.index],
-                    want_logprobs,
+                    wants.logprobs,
+                    ev.token_ids if wants.token_ids else None,
                 )
                 text_offsets[ev.index] += len(ev.text)
                 yield sse_data(chunk)
-        if include_usage:
+        if wants.usage:
             yield sse_data(fmt.usage_chunk(generation_usage(call.num_prompt_tokens, generation)))
         yield DONE
     finally:

@@ -1,14 +1,15 @@
 """`POST /v1/responses` (text in, text out) and its WebSocket mode on the same path.
 
-The WebSocket mode is OpenAI's (ecosystem.md §A.6): `response.create` events in, the
+The WebSocket mode is OpenAI's (the API reference's Responses WebSocket mode;
+openai-python `resources/responses/responses.py::connect`): `response.create` events in, the
 same events as the SSE stream out, so the official SDK's `client.responses.connect()`
 works unmodified. Closing the socket cancels the responses still running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,12 +19,21 @@ from pydantic import ValidationError
 
 from api import prepare
 from api.auth import Principal, authenticate, require_principal
-from api.deps import Gateway, call_id, gateway
-from api.errors import APIError, error_response
+from api.deps import Gateway, build_off_loop_if_large, call_id, gateway
+from api.errors import APIError
 from api.prepare import Call
-from api.responses_format import ResponsesFormat
+from api.responses_format import ResponsesFormat, text_format_type
 from api.schemas import ResponsesRequest
-from api.streaming import PING, SSEResponse, WsSession, collect_answer, sse_event, ws_error
+from api.streaming import (
+    PING,
+    SSEResponse,
+    WsSession,
+    collect_answer,
+    refuse_handshake,
+    sse_event,
+    ws_error,
+    ws_refusal,
+)
 from bus.messages import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -56,7 +66,7 @@ def build(
         raise prepare.refuse("tools", "tool calling is not supported by this server")
     if body.background:
         raise prepare.refuse("background", "background responses are not supported")
-    fmt = ((body.text or {}).get("format") or {}).get("type", "text")
+    fmt = text_format_type(body.text)
     if fmt != "text":
         raise prepare.refuse("text.format", f"text format {fmt!r} is not supported")
     prepare.check_logprobs(body.top_logprobs, gw.limits, "top_logprobs")
@@ -87,7 +97,10 @@ async def create_response(
     principal: Principal = Depends(require_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
-    call = build(body, request.headers, principal, gw, call_id(request))
+    cid = call_id(request)
+    call = await build_off_loop_if_large(
+        request, lambda: build(body, request.headers, principal, gw, cid)
+    )
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
     if body.stream:
@@ -110,25 +123,28 @@ async def _sse(events: AsyncIterator[dict[str, Any] | None], abandon: Any) -> As
 @router.websocket("/responses")
 async def responses_websocket(websocket: WebSocket) -> None:
     gw = gateway(websocket)
+    refusal = ws_refusal(websocket)
+    if refusal is not None:
+        await refuse_handshake(websocket, refusal)
+        return
     try:
         principal = await authenticate(websocket)
     except APIError as exc:
-        await websocket.send_denial_response(
-            error_response(exc, websocket.scope["state"].get("request_id"))
-        )
+        await refuse_handshake(websocket, exc.message)
         return
     await websocket.accept()
 
-    async def source(event: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def source(event: dict[str, Any], cid: str) -> AsyncIterator[dict[str, Any]]:
         payload = {k: v for k, v in event.items() if k not in {"type", "stream"}}
         try:
             body = ResponsesRequest.model_validate(payload)
-            call = build(body, websocket.headers, principal, gw, uuid.uuid4().hex)
+            call = await asyncio.to_thread(build, body, websocket.headers, principal, gw, cid)
             generation = await gw.submit(websocket, principal, call.requests, call.deadline_ms)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ())) or None
-            yield ws_error(400, f"{param}: {first['msg']}", "invalid_value", param)
+            message = f"{param}: {first['msg']}" if param else str(first["msg"])
+            yield ws_error(400, message, "invalid_value", param)
             return
         except APIError as exc:
             yield ws_error(exc.status_code, exc.message, exc.code, exc.param)

@@ -1,7 +1,7 @@
 """`GET /v1/usage`: the caller's own usage from the ledger (totals, by model, by day).
 
 The tenant comes from the API key, never from a parameter, so a key sees only its own
-tenant's rows (DESIGN.md §5.6). `since`/`until` are UTC days, inclusive.
+tenant's rows (docs/architecture.md §5.6). `since`/`until` are UTC days, inclusive.
 """
 
 from __future__ import annotations

@@ -7,20 +7,22 @@ readiness probe. No torch here.
 
 Delivery contract: every submitted request gets exactly one terminal delta (a delta
 with `finish_reason` set), whether it finished, was aborted (even while still waiting),
-passed its deadline, or the engine failed ('error'). Deltas of one request arrive in
-order; the terminal one carries the usage counts.
+passed its deadline, or the engine failed ('error'; `retryable` when the engine died
+under it rather than the request being wrong). Deltas of one request arrive in order;
+the terminal one carries the usage counts. A `RestartableBackend` can be started again
+after its engine died (its `deltas()` ended).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from engine.errors import EngineDeadError, EngineError, RequestRejectedError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
     "DeltaChannel",
@@ -32,6 +34,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "RequestRejectedError",
+    "RestartableBackend",
     "TokenLogprob",
     "check_request",
     "terminal_delta",
@@ -94,6 +97,9 @@ class EngineDelta:
     num_cached_tokens: int | None = None
     num_output_tokens: int | None = None
     error: str | None = None  # with finish_reason 'error': what went wrong, for logs
+    # with finish_reason 'error': the engine died under the request, which did nothing
+    # wrong; it can run again (on a restarted engine, or elsewhere)
+    retryable: bool = False
 
     @property
     def finished(self) -> bool:
@@ -145,9 +151,25 @@ class EngineBackend(Protocol):
         ...
 
 
-def check_request(request: EngineRequest, max_model_len: int) -> None:
-    """What `submit` rejects before the request reaches the engine loop."""
-    num_prompt = len(request.prompt_token_ids)
+@runtime_checkable
+class RestartableBackend(EngineBackend, Protocol):
+    """A backend whose engine can be started again after it died (a process killed)."""
+
+    def restart(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start a fresh engine once `deltas()` has ended; blocks while it loads. Then
+        `deltas()` is a new stream (read from `loop`). Raises EngineDeadError if it
+        cannot start, or after `shutdown`."""
+        ...
+
+
+def check_request(request: EngineRequest, max_model_len: int, vocab_size: int | None) -> None:
+    """What `submit` (and the engine core, as a request is added) rejects: anything that
+    would fail inside an engine step, where it would take the whole batch down with it.
+
+    vocab_size: the ids the model embeds; None (a fake runner) checks only for negatives.
+    """
+    prompt = request.prompt_token_ids
+    num_prompt = len(prompt)
     if num_prompt == 0:
         raise RequestRejectedError("prompt is empty")
     if num_prompt >= max_model_len:
@@ -155,6 +177,27 @@ def check_request(request: EngineRequest, max_model_len: int) -> None:
             f"prompt has {num_prompt} tokens; max_model_len={max_model_len} allows at "
             f"most {max_model_len - 1}"
         )
+    _check_token_ids("prompt", prompt, vocab_size)
+    if not 0 <= request.num_resumed_tokens <= num_prompt:
+        raise RequestRejectedError(
+            f"num_resumed_tokens must be in [0, {num_prompt}], got {request.num_resumed_tokens}"
+        )
+    params = request.sampling_params
+    try:
+        params.validate()  # again: the params may have changed since they were built
+    except SamplingParamsError as exc:
+        raise RequestRejectedError(str(exc)) from None
+    _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+
+
+def _check_token_ids(what: str, token_ids: list[int], vocab_size: int | None) -> None:
+    if not token_ids:
+        return
+    low, high = min(token_ids), max(token_ids)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        limit = "" if vocab_size is None else f" < {vocab_size} (the model's vocab_size)"
+        raise RequestRejectedError(f"{what} has token id {bad}; ids must be >= 0{limit}")
 
 
 class DeltaChannel:
@@ -179,24 +222,43 @@ class DeltaChannel:
         except RuntimeError:  # the consuming loop is closed: nobody is listening any more
             logger.warning("engine deltas dropped: the asyncio loop is closed")
 
-    async def stream(self) -> AsyncIterator[list[EngineDelta]]:
-        if self._queue is None:
-            raise RuntimeError("start() the engine before reading deltas()")
-        queue = self._queue
-        while True:
-            batch = await queue.get()
-            if batch is None:
-                return
-            yield batch
+    def stream(self) -> AsyncIterator[list[EngineDelta]]:
+        return queued_batches(self._queue)
+
+
+async def queued_batches(
+    queue: asyncio.Queue[list[EngineDelta] | None] | None,
+) -> AsyncIterator[list[EngineDelta]]:
+    """The delta batches put on `queue` until None: a backend's `deltas()`."""
+    if queue is None:
+        raise RuntimeError("start() the engine before reading deltas()")
+    while True:
+        batch = await queue.get()
+        if batch is None:
+            return
+        yield batch
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """Run `fn` on `loop`: now when called from that loop, else soon, from its thread."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn()
+    else:
+        loop.call_soon_threadsafe(fn)
 
 
 def terminal_delta(
-    request: EngineRequest, finish_reason: FinishReason, error: str | None
+    request: EngineRequest, finish_reason: FinishReason, error: str | None, retryable: bool = False
 ) -> EngineDelta:
     return EngineDelta(
         request.request_id,
         finish_reason=finish_reason,
         error=error,
+        retryable=retryable,
         num_prompt_tokens=len(request.prompt_token_ids),
         num_cached_tokens=0,
         num_output_tokens=0,

@@ -3,21 +3,23 @@
 Why: in one process the engine thread shares the GIL with whatever else runs there (the
 engine worker's asyncio loop and Kafka clients, or a gateway). Torch releases the GIL
 inside each op and takes it back after, hundreds of times per step; each time another
-thread holds it, the engine waits. Measured at saturation on the 2-core VM (tiny-llama,
-engine pinned to its own core, `sluice bench serving`'s 160 req/s point): the worker's
-engine thread held the CPU for 0.86 of each step's wall time against 0.97 for the same
-engine with nothing else in its process, and delivered 0.79-0.85 of its tokens/s. vLLM's
-V1 engine runs its EngineCore in a separate process from the API server for the same
-reason: the Python work around the engine no longer competes with it for the GIL.
+thread holds it, the engine waits (at saturation it lost a measurable share of each step:
+benchmarks/RESULTS.md, serving, 2026-11-30). vLLM's V1 engine runs its EngineCore in a
+separate process from the API server for the same reason: the Python work around the
+engine no longer competes with it for the GIL.
 
 How: `start()` spawns the process, which loads the model (`TorchEngineBackend`, its
-engine thread as usual) and says it is ready. Commands go down one pipe (`add`, `abort`,
-`stop`); each engine step comes back up another as one message (the step's deltas and
-the engine's stats after it), read by a thread here and handed to the asyncio loop like
-`TorchEngineBackend` does. The contract is the same: one terminal delta per request;
-if the process dies (killed, crashed) every request it held ends with 'error', `deltas()`
-ends and `health()` turns False; `shutdown` ends what it holds with 'abort'. If this
-process dies, the engine process sees its command pipe close and exits.
+engine thread as usual) and says it is ready. Commands go down one pipe (`AddRequest`,
+`AbortRequest`, `StopEngine`); each engine step comes back up another as one
+`StepCompleted` (the step's deltas and the engine's stats after it), read by a thread
+here and handed to the asyncio loop like `TorchEngineBackend` does. Every message is a
+dataclass of `engine.backends.ipc`; each side dispatches with `match` on its class (a
+few kinds per side, and mypy narrows each case). The contract is the same: one
+terminal delta per request; if the process dies (killed, crashed) every request it held
+ends with 'error' (marked `retryable`), `deltas()` ends and `health()` turns False;
+`shutdown` ends what it holds with 'abort'. If this process dies, the engine process
+sees its command pipe close and exits. After a death, `restart()` spawns a fresh engine
+process (the engine worker does, with backoff, and resubmits what the dead one held).
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ import multiprocessing as mp
 import signal
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from engine.backends.base import (
@@ -44,36 +44,32 @@ from engine.backends.base import (
     check_request,
     terminal_delta,
 )
-from engine.config import EngineConfig
+from engine.backends.ipc import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineReady,
+    EngineSpec,
+    EngineStopped,
+    StartFailed,
+    StepCompleted,
+    StopEngine,
+)
+
+__all__ = ["EngineSpec", "ProcessEngineBackend"]
 
 logger = logging.getLogger(__name__)
 
-# (kind, deltas, stats, adds received): kind is "ready" (deltas: the engine's config),
-# "failed" (deltas: the error), "step" or "end"
-_Event = tuple[str, Any, EngineStats | None, int]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """What the engine process loads (`TorchEngineBackend.from_model`'s arguments)."""
-
-    model: str | Path
-    config: EngineConfig
-    data_dir: str | Path | None = None
-    quantization: str | None = None
-    torch_threads: int | None = None
-
 
 class ProcessEngineBackend:
-    """See the module docstring. `thread_cpus` and `thread_nice` apply to the engine
-    process (all its threads) when set before `start()`."""
+    """See the module docstring. The engine process runs as `spec.options` say (its
+    cores, torch threads, kernels, the engine thread's nice value)."""
 
     def __init__(self, spec: EngineSpec, *, start_timeout_s: float = 600.0) -> None:
         self.spec = spec
         self.config = spec.config  # the engine's own once it is ready
+        self.vocab_size: int | None = None  # the model's, once it is ready
         self.tokenizer: Any = None  # the gateway side loads its own
-        self.thread_cpus: frozenset[int] | None = None
-        self.thread_nice: int | None = None
         self.start_timeout_s = start_timeout_s
         self._channel = DeltaChannel()
         self._lock = threading.Lock()  # commands pipe (None once closed), in-flight ids
@@ -97,40 +93,69 @@ class ProcessEngineBackend:
         commands_in, commands = ctx.Pipe(duplex=False)
         events, events_out = ctx.Pipe(duplex=False)
         level = logging.getLogger().getEffectiveLevel()  # this process's, for the engine's
-        args = (self.spec, commands_in, events_out, self.thread_cpus, self.thread_nice, level)
+        args = (self.spec, commands_in, events_out, level)
         process = ctx.Process(target=_engine_main, args=args, name="sluice-engine", daemon=True)
         process.start()
         commands_in.close()
         events_out.close()
         self._process, self._commands = process, commands
-        kind = "failed"
-        info: Any = f"no answer within {self.start_timeout_s:.0f}s"
-        stats: EngineStats | None = None
+        ready: EngineReady | None = None
+        failure = f"no answer within {self.start_timeout_s:.0f}s"
         try:
             if events.poll(self.start_timeout_s):
-                kind, info, stats, _ = events.recv()
+                match events.recv():
+                    case EngineReady() as ready:
+                        pass
+                    case StartFailed(error):
+                        failure = error
         except (EOFError, OSError):
-            info = f"exited with code {_exit_code(process)}"
-        if kind != "ready":
+            failure = f"exited with code {_exit_code(process)}"
+        if ready is None:
             process.kill()
             process.join(5.0)
             self._commands = None
             commands.close()
             events.close()
             self._channel.post(None)
-            raise EngineDeadError(f"engine process failed to start: {info}")
-        assert isinstance(info, EngineConfig) and stats is not None
-        self.config, self._stats = info, stats
+            raise EngineDeadError(f"engine process failed to start: {failure}")
+        self.config, self.vocab_size, self._stats = ready.config, ready.vocab_size, ready.stats
         self._reader = threading.Thread(
             target=self._read, args=(events,), name="sluice-engine-reader", daemon=True
         )
         self._reader.start()
         logger.info("engine process pid=%s ready", process.pid)
 
+    def restart(self, loop: Any = None) -> None:
+        """Spawn a fresh engine process after this one died (`deltas()` has ended) and
+        wait until its model is loaded; `deltas()` is then a new stream. Raises
+        EngineDeadError when it fails to start or this backend was shut down."""
+        with self._lock:
+            if self._stopping:
+                raise EngineDeadError("engine is shut down")
+            if self._commands is not None:
+                raise RuntimeError("the engine process is still running")
+        if self._reader is not None:
+            self._reader.join()  # it ended the old stream; joins at once
+        old = self._process
+        if old is not None and old.is_alive():  # an exit already under way
+            old.kill()
+        if old is not None:
+            old.join(5.0)
+        self._process = self._reader = None
+        self._inflight, self._sent, self._received = set(), 0, 0
+        self._error = None
+        self.start(loop)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id while it runs (for operators and fault tests)."""
+        process = self._process
+        return None if process is None else process.pid
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._lock:
             self._stopping = True
-            self._send(("stop", None))
+            self._send(StopEngine())
         if self._reader is not None:
             self._reader.join(timeout_s)
         process = self._process
@@ -158,20 +183,20 @@ class ProcessEngineBackend:
 
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
-        check_request(request, self.config.max_model_len)
+        check_request(request, self.config.max_model_len, self.vocab_size)
         with self._lock:
             if self._stopping or self._commands is None:
                 raise EngineDeadError("engine is not running")
-            if not self._send(("add", request)):
+            if not self._send(AddRequest(request)):
                 raise EngineDeadError("engine process is gone")
             self._inflight.add(request.request_id)
             self._sent += 1
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
 
-    def _send(self, command: tuple[str, Any]) -> bool:
+    def _send(self, command: Command) -> bool:
         """Under `_lock`. False when the engine process is gone."""
         if self._commands is None:
             return False
@@ -193,19 +218,17 @@ class ProcessEngineBackend:
 
     def _read(self, events: Connection) -> None:
         """The reader thread: each step's deltas to the asyncio loop, in order."""
-        ended = False
         try:
-            while not ended:
-                kind, deltas, stats, received = events.recv()
-                if stats is not None:
-                    self._stats, self._received = stats, received
-                if deltas:
-                    with self._lock:
-                        for delta in deltas:
-                            if delta.finish_reason is not None:
-                                self._inflight.discard(delta.request_id)
-                    self._channel.post(deltas)
-                ended = kind == "end"
+            while True:
+                match events.recv():
+                    case StepCompleted(deltas, stats, num_received):
+                        self._stats, self._received = stats, num_received
+                        self._deliver(deltas)
+                    case EngineStopped(stats, num_received):
+                        self._stats, self._received = stats, num_received
+                        break
+                    case other:
+                        raise TypeError(f"unexpected engine event {other!r}")
         except Exception as exc:  # EOF: the process went away without ending the stream
             if not isinstance(exc, EOFError | OSError):
                 logger.exception("engine process events unreadable")
@@ -214,6 +237,15 @@ class ProcessEngineBackend:
                 logger.error("%s; its requests end with 'error'", self._error)
         finally:
             self._end(events)
+
+    def _deliver(self, deltas: list[EngineDelta]) -> None:
+        if not deltas:
+            return
+        with self._lock:
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    self._inflight.discard(delta.request_id)
+        self._channel.post(deltas)
 
     def _end(self, events: Connection) -> None:
         """No more steps: a request sent but never ended (an add that crossed the engine's
@@ -226,9 +258,12 @@ class ProcessEngineBackend:
             lost, self._inflight = sorted(self._inflight), set()
         events.close()
         if lost:
-            reason: FinishReason = "abort" if self._stopping else "error"
-            error = None if self._stopping else (self._error or "the engine stopped")
-            self._channel.post([EngineDelta(r, finish_reason=reason, error=error) for r in lost])
+            died = not self._stopping
+            reason: FinishReason = "error" if died else "abort"
+            error = (self._error or "the engine stopped") if died else None
+            self._channel.post(
+                [EngineDelta(r, finish_reason=reason, error=error, retryable=died) for r in lost]
+            )
         self._channel.post(None)
 
 
@@ -244,11 +279,13 @@ def _engine_main(
     spec: EngineSpec,
     commands: Connection,
     events: Connection,
-    cpus: frozenset[int] | None,
-    nice: int | None,
     log_level: int = logging.INFO,
 ) -> None:
-    """The engine process: load, say ready, then serve commands until `stop` or EOF."""
+    """The engine process: load, say ready, then serve commands until `stop` or EOF.
+
+    This is the engine process's composition root: it applies the process-wide options
+    (cores, torch threads, kernels) to itself, as `sluice.wiring` does for a serving
+    process."""
     # Ctrl-C reaches every process of the terminal's group: the parent drains (its
     # requests finish, then it sends `stop`), so this one must not die first. SIGTERM
     # keeps its default: multiprocessing terminates daemonic children with it at exit.
@@ -256,54 +293,61 @@ def _engine_main(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
-    from engine.backends.torch_backend import TorchEngineBackend
+    from engine.backends.torch_backend import TorchEngineBackend, apply_process_options
     from engine.cpus import pin_process
 
-    if cpus:
-        pin_process(cpus)
-    if spec.torch_threads:
-        import torch
-
-        torch.set_num_threads(spec.torch_threads)
+    options = spec.options
+    if options.cpus:
+        pin_process(options.cpus)
+    apply_process_options(options)
     try:
         backend = TorchEngineBackend.from_model(
-            spec.model, config=spec.config, data_dir=spec.data_dir, quantization=spec.quantization
+            spec.model,
+            config=spec.config,
+            data_dir=spec.data_dir,
+            quantization=spec.quantization,
+            options=options,
         )
     except Exception as exc:
-        events.send(("failed", f"{type(exc).__name__}: {exc}", None, 0))
+        events.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     # its first-token pause lets an asyncio loop of the same process take the GIL at
     # once; there is none here (the reader is in the other process)
     backend.first_token_yield_s = 0.0
-    backend.thread_nice = nice
     received = 0
     send_lock = threading.Lock()
 
     def send_step(batch: list[EngineDelta] | None) -> None:  # on the engine thread
-        event: _Event = ("end" if batch is None else "step", batch, backend.stats(), received)
+        stats = backend.stats()
+        event = (
+            EngineStopped(stats, received)
+            if batch is None
+            else StepCompleted(batch, stats, received)
+        )
         # OSError: the parent is gone; the command pipe's EOF stops this process
         with send_lock, contextlib.suppress(OSError):
             events.send(event)
 
-    events.send(("ready", backend.config, backend.stats(), 0))
+    events.send(EngineReady(backend.config, backend.vocab_size, backend.stats()))
     backend.start(sink=send_step)  # from here on only the engine thread sends events
     while True:
         try:
-            kind, payload = commands.recv()
+            command = commands.recv()
         except (EOFError, OSError):
             break  # the parent is gone
-        if kind == "add":
-            received += 1
-            try:
-                backend.submit(payload)
-            except EngineDeadError:
-                pass  # the engine loop died: the parent ends what it sent after 'end'
-            except Exception as exc:  # checked in the parent already; never lose one
-                logger.warning("request_id=%s rejected: %s", payload.request_id, exc)
-                send_step([terminal_delta(payload, "error", str(exc))])
-        elif kind == "abort":
-            backend.abort(payload)
-        else:
-            break
+        match command:
+            case AddRequest(request):
+                received += 1
+                try:
+                    backend.submit(request)
+                except EngineDeadError:
+                    pass  # the engine loop died: the parent ends what it sent after the end
+                except Exception as exc:  # checked in the parent already; never lose one
+                    logger.warning("request_id=%s rejected: %s", request.request_id, exc)
+                    send_step([terminal_delta(request, "error", str(exc))])
+            case AbortRequest(request_id):
+                backend.abort(request_id)
+            case _:  # StopEngine (anything else stops too)
+                break
     # the parent kills this process if it takes too long; a step in flight may be slow
     backend.shutdown(300.0)

@@ -37,6 +37,7 @@ from engine.backends.base import (
 from engine.config import EngineConfig
 from engine.cpus import pin_this_thread
 from engine.engine_core import EngineCore, tokenizer_detokenizers
+from engine.options import EngineOptions
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,22 @@ class TorchEngineBackend:
     """Runs an `EngineCore` in a daemon thread; see the module docstring for the contract.
 
     Construct with `from_model(...)` for a real model, or around any `EngineCore` (tests
-    use a fake runner). `start()` must be called from the asyncio loop that consumes
+    use a fake runner). `options` (default `EngineOptions()`): the engine thread's nice
+    value and cores, applied as it starts, and the runner's options (`from_model`); their
+    process-wide part is the composition root's (`engine.options.apply_process_options`).
+    `start()` must be called from the asyncio loop that consumes
     `deltas()`, or be given that loop; or be given a `sink` that takes each step's
     deltas on the engine thread instead (`engine.backends.process_backend` sends them to
     another process), None last.
     """
 
-    def __init__(self, core: EngineCore, *, tokenizer: Any = None) -> None:
+    def __init__(
+        self, core: EngineCore, *, tokenizer: Any = None, options: EngineOptions | None = None
+    ) -> None:
         self.core = core
+        self.options = options or EngineOptions()
         self.config = core.config
+        self.vocab_size = core.vocab_size  # token ids `submit` accepts: [0, vocab_size)
         self.tokenizer = tokenizer  # for callers that need to encode/decode (may be None)
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
@@ -69,20 +77,8 @@ class TorchEngineBackend:
         # After a step that gave a request its first token, the engine thread sleeps this
         # long before the next step, so the thread that delivers the step (the asyncio
         # loop, woken by `_publish`) gets a core and the GIL now rather than after the
-        # next step. Hop profile of the engine worker at 10 req/s on the 2-core VM (the
-        # broker and the gateway on the other core): first token → worker loop p90
-        # 1.5 ms, p99 2.2-4.3 ms without it; p90 0.3-0.5 ms, p99 0.6-1.6 ms with 0.2 ms.
-        # Steps giving first tokens are a small share of all steps: ~0.2 ms per prefill.
+        # next step; only steps that give first tokens pay it (benchmarks/RESULTS.md).
         self.first_token_yield_s = 0.0002
-        # The engine thread's nice value (Linux, where a thread has its own), set as it
-        # starts when torch computes on that thread alone: torch's helper threads keep
-        # the priority of the thread that created them, and a niced thread would leave
-        # them waiting. None leaves it as started. The engine worker sets it (see
-        # `EngineWorkerConfig.engine_thread_nice`).
-        self.thread_nice: int | None = None
-        # The cores the engine thread (and torch's threads it starts) runs on; None
-        # leaves it where it started. See `engine.cpus`; the composition root sets it.
-        self.thread_cpus: frozenset[int] | None = None
 
     @classmethod
     def from_model(
@@ -93,6 +89,7 @@ class TorchEngineBackend:
         data_dir: str | Path | None = None,
         quantization: str | None = None,
         config_overrides: dict[str, Any] | None = None,
+        options: EngineOptions | None = None,
     ) -> TorchEngineBackend:
         """Load a Hugging Face directory or the `tiny-llama` preset and build the engine."""
         from engine.loader import load_model
@@ -107,7 +104,7 @@ class TorchEngineBackend:
             quantization=quantization,
             config_overrides=config_overrides,
         )
-        runner = ModelRunner(loaded.model, config)
+        runner = ModelRunner(loaded.model, config, options)
         core = EngineCore(
             config,
             runner,
@@ -124,7 +121,7 @@ class TorchEngineBackend:
             config.dtype,
             str(runner.dtype).removeprefix("torch."),
         )
-        return cls(core, tokenizer=loaded.tokenizer)
+        return cls(core, tokenizer=loaded.tokenizer, options=options)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(
@@ -163,7 +160,7 @@ class TorchEngineBackend:
 
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
-        check_request(request, self.config.max_model_len)
+        check_request(request, self.config.max_model_len, self.vocab_size)
         with self._cond:
             if self._closed or self._stopping:
                 raise EngineDeadError("engine is not running") from self._error
@@ -193,11 +190,15 @@ class TorchEngineBackend:
 
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
-        core = self.core
-        if self.thread_cpus:
-            pin_this_thread(self.thread_cpus)
-        if self.thread_nice is not None:
-            _renice_this_thread(self.thread_nice)
+        core, options = self.core, self.options
+        # the engine thread's own cores and priority (Linux, where a thread has its own);
+        # the nice value only when torch computes on this thread alone: torch's helper
+        # threads keep the priority of the thread that created them, and a niced thread
+        # would leave them waiting
+        if options.cpus:
+            pin_this_thread(options.cpus)
+        if options.thread_nice is not None:
+            _renice_this_thread(options.thread_nice)
         try:
             while True:
                 with self._cond:
@@ -244,7 +245,8 @@ class TorchEngineBackend:
         with self._cond:
             pending, self._inbox, self._closed = self._inbox, [], True
         error = message if finish_reason == "error" else None
-        deltas = [terminal_delta(p, finish_reason, error) for k, p in pending if k == "add"]
+        died = error is not None  # the loop died under these requests: they may run again
+        deltas = [terminal_delta(p, finish_reason, error, died) for k, p in pending if k == "add"]
         try:
             deltas.extend(self.core.abort_all(finish_reason, error))
         except Exception:  # the core itself is broken: still end every request
@@ -253,10 +255,26 @@ class TorchEngineBackend:
                 EngineDelta(request_id, finish_reason=finish_reason, error=error)
                 for request_id in self.core.request_ids()
             )
+        for delta in deltas:
+            delta.retryable = died
         if deltas:
             self._publish(deltas)
         self._publish(None)
         logger.info("engine loop stopped: %s", message)
+
+
+def apply_process_options(options: EngineOptions) -> None:
+    """The process-wide part of `options`, for the process the engine runs in: torch's
+    intra-op threads and the native kernels' configuration. Only a composition root calls
+    it (`sluice.wiring`, the engine process's entry point, a benchmark), before the model
+    loads."""
+    import torch
+
+    from engine import kernels
+
+    if options.torch_threads is not None:
+        torch.set_num_threads(options.torch_threads)
+    kernels.configure(options)
 
 
 def _renice_this_thread(nice: int) -> None:

@@ -160,10 +160,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def has_finished_requests(self) -> bool:
-        """Finished since the last `schedule()`, not yet reported in a SchedulerOutput."""
-        return bool(self._finished_request_ids)
-
     # -- one step ------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = time.monotonic() if now is None else now

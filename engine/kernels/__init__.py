@@ -1,16 +1,16 @@
 """Native CPU kernels for small-batch decode, built on first use with the system C compiler.
 
 `cpu_ops()` returns the `CpuOps` of `cpu_ops.c` (AVX2 + FMA), or None where they cannot
-run: no AVX2/FMA, no C compiler, a failed build (logged once), or SLUICE_ENGINE_KERNELS=0.
-Callers keep their torch path then. The shared library is cached per source hash under
-`$SLUICE_KERNEL_CACHE` (default `~/.cache/sluice/kernels`), so a machine compiles it once
+run (one warning, see `load_cpu_ops`) or when `EngineOptions.kernels` is off. Callers keep
+their torch path then. The shared library is cached per source hash under
+`EngineOptions.kernel_cache_dir` (default `~/.cache/sluice/kernels`), so a machine compiles it once
 (about a second). The GEMV uses AVX512-BF16 where the CPU has it (a function-level target,
 chosen at run time).
 
-Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each ~5-12 µs
-of dispatch on the 2-core AVX2 EPYC, around GEMVs that torch runs below memory speed for bf16
-weights without native bf16. Here each small op is one call, and the bf16 GEMV streams its
-weights once for up to MAX_ROWS rows.
+Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
+microseconds of dispatch (benchmarks/RESULTS.md), around GEMVs that torch runs below memory
+speed for bf16 weights without native bf16. Here each small op is one call, and the bf16
+GEMV streams its weights once for up to MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -27,17 +27,21 @@ from pathlib import Path
 
 import torch
 
+from engine.options import EngineOptions
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
-# Below this many multiply-adds a kernel runs on the calling thread alone (sharing costs
-# more than it saves). Above it the calling thread shares chunks with persistent helper
-# threads (`parallel_for` in cpu_ops.c, torch.get_num_threads() in all) and never waits for
-# a helper that is off its core. On the 2-core AVX-512 EPYC streaming the bench model's
-# 78 MB of decode weights from DRAM: one thread ~11 GB/s, two ~22 GB/s.
-PARALLEL_MIN_WORK = int(os.environ.get("SLUICE_KERNEL_PARALLEL_MIN", 256 << 10))
+# Below `EngineOptions.kernel_parallel_min_work` multiply-adds a kernel runs on the calling
+# thread alone (sharing costs more than it saves). Above it the calling thread shares chunks
+# with persistent helper threads (`parallel_for` in cpu_ops.c, torch.get_num_threads() in
+# all) and never waits for a helper that is off its core: two threads stream weights from
+# DRAM about twice as fast as one (benchmarks/RESULTS.md).
+# The process's options (one library per process): the composition root sets them with
+# `configure` (through `engine.options.apply_process_options`) before the model loads.
+_options = EngineOptions()
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -56,8 +60,16 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
 }
 
 
+def configure(options: EngineOptions) -> None:
+    """Use `options` (kernels on or off, cache dir, parallel threshold) from now on in this
+    process; a composition root calls it before the model loads."""
+    global _options
+    _options = options
+    cpu_ops.cache_clear()
+
+
 def _threads(work: int) -> int:
-    return torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
+    return torch.get_num_threads() if work >= _options.kernel_parallel_min_work else 1
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -153,26 +165,47 @@ class CpuOps:
         return out
 
 
+class _Unavailable(Exception):
+    """Why the kernels cannot run here; `load_cpu_ops` logs it once and returns None."""
+
+
 def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "sluice" / "kernels"
-    return Path(os.environ.get("SLUICE_KERNEL_CACHE") or default)
+    """`EngineOptions.kernel_cache_dir`, else `~/.cache/sluice/kernels`; raises
+    `_Unavailable` when neither is set and the home directory cannot be resolved (no HOME,
+    no passwd entry)."""
+    configured = _options.kernel_cache_dir
+    if configured:
+        return configured
+    try:
+        return Path.home() / ".cache" / "sluice" / "kernels"
+    except (RuntimeError, KeyError, OSError) as e:
+        raise _Unavailable(f"no kernel cache dir: home unresolvable ({e})") from e
 
 
-def _cpu_flags() -> set[str]:
+def library_path(cache: Path) -> Path:
+    """The cached library for this source and these flags in `cache`."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return cache / f"cpu_ops-{digest}.so"
+
+
+def _cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's flags from `cpuinfo` (the text of /proc/cpuinfo, read when None); empty
+    when torch itself runs without AVX2 (then neither would these kernels' callers)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
 
 
 def _build(source: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+        raise _Unavailable("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -189,18 +222,48 @@ def _build(source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
+def _load(lib_path: Path, bf16_dot: bool) -> CpuOps:
+    """The library at `lib_path`, built first if absent, rebuilt once if the cached file
+    does not load (truncated, foreign, missing a symbol)."""
+    if not lib_path.exists():
+        _build(_SOURCE, lib_path)
+        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+    try:
+        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+    except (OSError, AttributeError) as e:
+        logger.warning("cached CPU kernels %s do not load (%s); rebuilding", lib_path, e)
+    _build(_SOURCE, lib_path)
+    return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+
+
+def load_cpu_ops(cache: Path | None = None, cpuinfo: str | None = None) -> CpuOps | None:
+    """The kernels, built into (or reused from) `cache` (`cache_dir()` when None), or None
+    after one warning when they cannot run here: a CPU without AVX2/FMA (`cpuinfo`: the
+    text of /proc/cpuinfo, read when None), no home to cache under, no C compiler, a cache
+    dir that cannot be written, a failed build. Callers keep their torch path then.
+
+    Under CI on x86-64 a failed build is a broken kernel, not a fallback:
+    tests/unit/engine/test_kernel_fallbacks.py::test_kernels_build_here_in_ci fails."""
+    try:
+        flags = _cpu_flags(cpuinfo)
+        missing = {"avx2", "fma"} - flags
+        if missing:
+            raise _Unavailable(f"this CPU lacks {', '.join(sorted(missing))}")
+        return _load(library_path(cache or cache_dir()), bf16_dot="avx512_bf16" in flags)
+    except (_Unavailable, OSError, AttributeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning(
+            "CPU kernels unavailable (%s), using the torch path %s",
+            e,
+            detail.decode(errors="replace"),
+        )
+        return None
+
+
 @functools.cache
 def cpu_ops() -> CpuOps | None:
-    flags = _cpu_flags()
-    if os.environ.get("SLUICE_ENGINE_KERNELS", "1") == "0" or not {"avx2", "fma"} <= flags:
+    """`load_cpu_ops()` once per process (per `configure`); None without a word when the
+    options turn the kernels off."""
+    if not _options.kernels:
         return None
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / f"cpu_ops-{digest}.so"
-    try:
-        if not lib_path.exists():
-            _build(_SOURCE, lib_path)
-        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot="avx512_bf16" in flags)
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("CPU kernels unavailable (%s) %s", e, detail.decode(errors="replace"))
-        return None
+    return load_cpu_ops()

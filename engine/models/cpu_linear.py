@@ -1,10 +1,9 @@
 """CPU fast path for projections: oneDNN-prepacked weights (what inductor's freezing does).
 
-Applied by `engine.runner.model_runner.ModelRunner` to a model on CPU. Measured on the
-2-core AVX-512/AMX dev CPU (torch 2.13, 2 threads): a bf16 512x32000 GEMV takes ~0.6-0.9 ms
-prepacked vs ~2.2-2.5 ms through `F.linear` (bit-identical results), 512x2816 0.05 vs 0.13
-ms; batch-64 matmuls gain 10-30 %. fp32 gains 1.3-3x with ~1e-5 relative differences (a
-different reduction order). Falls back to the plain linear when oneDNN is unavailable.
+Applied by `engine.runner.model_runner.ModelRunner` to a model on CPU. On a CPU with
+native bf16, prepacked GEMVs run ~3x faster than `F.linear` with bit-identical results in
+bf16; fp32 gains too, with ~1e-5 relative differences (a different reduction order);
+figures in benchmarks/RESULTS.md. Falls back to the plain linear when oneDNN is unavailable.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ def row_bucket(rows: int) -> int:
     padding, and 72 distinct sizes up to 2,048 rows.
 
     oneDNN builds a primitive for every new input shape, which costs more than the matmul
-    for a small model: a 100-token prefill step of tiny-llama took 3.6 ms the first time
-    its row count was seen and 1.9 ms after (one thread, 2-core AVX-512 EPYC). A step's
+    for a small model (nearly doubling a prefill step; benchmarks/RESULTS.md). A step's
     row count is the tokens it schedules, different almost every time under load, so
     unbucketed steps kept paying it (its cache also holds only 1,024 primitives).
     """
@@ -52,10 +50,9 @@ class RowPlan:
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
 
-    Which is faster depends on the CPU and the shape: on the AVX-512/AMX dev CPU prepacking
-    won everywhere (above); on a 2-core AVX2 EPYC (torch 2.13, one thread) tiny-llama's fp32
-    projections (128 → 256..704 wide) took 20-25 µs prepacked vs 4-12 µs through `F.linear`
-    at 1 row, 28-72 vs 11-52 µs at 16 rows, and were even at 256 rows. So the plain weight
+    Which is faster depends on the CPU and the shape: on an AVX-512 CPU prepacking won
+    everywhere; on an AVX2-only one `F.linear` won tiny-llama's small fp32 projections at
+    few rows (benchmarks/RESULTS.md). So the plain weight
     is kept for the row buckets where `tune_row_buckets` measured `F.linear` faster
     (`plan`), and dropped when there are none.
 
@@ -63,9 +60,8 @@ class PackedLinear(nn.Module):
     inputs of at most `kernels.MAX_ROWS` rows (the fused decode path), which the bf16
     GEMV kernel serves at memory speed:
     - computed in fp32 on a CPU without native bf16 (the weight here is the fp32 upcast):
-      batch-1 decode streams half the bytes of fp32 (measured on the AVX2 EPYC, 512x2816:
-      0.08-0.10 ms vs 0.16-0.18 ms fp32 prepacked; 512x32000: 2.0-2.5 vs 3.5 ms); the
-      bf16 copy costs 50 % more weight memory;
+      batch-1 decode streams half the bytes of fp32 (about half the time); the bf16 copy
+      costs 50 % more weight memory;
     - computed in bf16 (native): x is rounded to bf16 as the bf16 path rounds it, and the
       checkpoint's bf16 tensor is kept beside the packed one (twice the weight memory);
       the kernel's fp32 output spares the casts and small ops around oneDNN's bf16 GEMV.
@@ -173,9 +169,8 @@ def native_low_precision(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies `dtype` in hardware (AVX-512 BF16/FP16, AMX, AVX-NE-CONVERT).
 
     Without it (an AVX2-only CPU) torch emulates bf16/fp16 matmuls by converting to fp32
-    inside the kernel. Measured on a 2-core AVX2 AMD EPYC (torch 2.13): 64x512x2816 took
-    10-12 ms in bf16 vs 1.6 ms fp32 prepacked, and a 64-token prefill of the bench model
-    ~6x longer; the bf16 batch-1 GEMVs were about even with fp32.
+    inside the kernel: a bf16 prefill then takes several times as long as fp32
+    (benchmarks/RESULTS.md).
     """
     if dtype == torch.float32:
         return True

@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: KV slot writes plus one batched SDPA per request group.
 
 Called by every decoder layer in `engine.models.llama`; its metadata is built once per step by
-`engine.runner.inputs`. Layout (research/engine.md §4): each layer has one KV cache tensor
+`engine.runner.inputs`. Layout (gather-then-SDPA, as Transformers' continuous batching does):
+each layer has one KV cache tensor
 `[num_blocks, block_size, 2, num_kv_heads, head_dim]` (K then V per slot), so this step's K|V
 rows (adjacent in the fused qkv output) go in with one `index_copy_` through the flat slot
 view, and each group gathers K and V of its padded block table with one `index_select` and

@@ -9,7 +9,6 @@ sampling params carry a seed, and drops it when the scheduler reports the reques
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -22,9 +21,11 @@ from engine.models.cpu_linear import (
     pack_linears,
 )
 from engine.models.llama import LlamaForCausalLM
+from engine.options import EngineOptions
 from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
 from engine.sampler import Sampler, greedy_tokens
+from engine.sampling import generator_seed
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,11 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
-def pack_linears_enabled(config: EngineConfig) -> bool:
-    """oneDNN prepacking on CPU; SLUICE_ENGINE_PREPACK=0 turns it off (for comparisons)."""
-    return os.environ.get("SLUICE_ENGINE_PREPACK", "1") != "0"
-
-
-def cpu_upcast_enabled() -> bool:
-    """SLUICE_ENGINE_CPU_UPCAST=0 keeps an emulated bf16/fp16 compute dtype (for comparisons)."""
-    return os.environ.get("SLUICE_ENGINE_CPU_UPCAST", "1") != "0"
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype, device: torch.device, cpu_upcast: bool = True) -> torch.dtype:
     """The dtype the runner computes in: `dtype`, or fp32 for bf16/fp16 on a CPU that has
-    no hardware support for them (emulated matmuls are several times slower there)."""
-    if device.type == "cpu" and not native_low_precision(dtype) and cpu_upcast_enabled():
+    no hardware support for them (emulated matmuls are several times slower there) unless
+    `cpu_upcast` is off (`EngineOptions.cpu_upcast`)."""
+    if device.type == "cpu" and not native_low_precision(dtype) and cpu_upcast:
         return torch.float32
     return dtype
 
@@ -100,19 +92,22 @@ class ModelRunner:
     then V), block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
     """
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, config: EngineConfig, options: EngineOptions | None = None
+    ) -> None:
+        options = options or EngineOptions()
         self.model = model.eval().requires_grad_(False)
         self.config = config
         self.device = torch.device(config.device)
         self.weights_dtype = torch_dtype(config.dtype)
-        self.dtype = compute_dtype(self.weights_dtype, self.device)
+        self.dtype = compute_dtype(self.weights_dtype, self.device, options.cpu_upcast)
         if self.dtype != self.weights_dtype:
             upcast(model, self.dtype)
         # flush denormals: random/small activations hit x87-speed denormal paths otherwise
-        # (measured: bf16 batch-1 decode went from ~4-8 to ~120 tok/s)
+        # (a 15-30x slower decode: benchmarks/RESULTS.md)
         torch.set_flush_denormal(True)
         self.num_packed = 0
-        if self.device.type == "cpu" and pack_linears_enabled(config):
+        if self.device.type == "cpu" and options.prepack:
             names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
             # bf16 checkpoints keep a bf16 weight for the fused decode path (PackedLinear)
             small = torch.bfloat16 if self.weights_dtype == torch.bfloat16 else None
@@ -125,6 +120,7 @@ class ModelRunner:
                 budget_s=WARM_BUDGET_S,
             )
         mc = model.config
+        self.vocab_size = mc.vocab_size  # the ids its embedding holds (EngineCore checks)
         self.block_size = config.block_size
         self.num_kv_groups = mc.num_attention_heads // mc.num_key_value_heads
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -147,10 +143,6 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_kv_blocks * self.bytes_per_block
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         torch.set_flush_denormal(True)  # per thread: the engine loop may run in any thread
@@ -203,6 +195,6 @@ class ModelRunner:
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator()
-            g.manual_seed(seed)
+            g.manual_seed(generator_seed(seed))
             self._generators[request_id] = g
         return g

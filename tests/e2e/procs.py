@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -72,4 +74,20 @@ def serving_args(command: str, port: int, data_dir: Path) -> list[str]:
     return [command, "--port", str(port), "--data-dir", str(data_dir), "--api-key", API_KEY]
 
 
-__all__ = ["API_KEY", "SluiceProcess", "free_port", "serving_args", "wait_ready"]
+@contextmanager
+def serving(
+    data_dir: Path, log: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, SluiceProcess]]:
+    """`sluice serve` on a free port, ready: (base URL, process); it must exit 0."""
+    port = free_port()
+    proc = SluiceProcess(serving_args("serve", port, data_dir), log, env).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield base, proc
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]
+
+
+__all__ = ["API_KEY", "SluiceProcess", "free_port", "serving", "serving_args", "wait_ready"]

@@ -9,23 +9,15 @@ import openai
 import pytest
 
 from tests.e2e import sdk_checks
-from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
+from tests.e2e.procs import API_KEY, serving
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = SluiceProcess(serving_args("serve", port, data_dir), log).start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    with serving(data_dir, tmp_path_factory.mktemp("serve") / "serve.log") as (base, proc):
         yield base
-    finally:
-        code = proc.stop()
-    assert code == 0, proc.output()[-3000:]
     assert API_KEY in proc.output()  # it printed the key it accepts
 
 

@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from billing.db import Database, make_engine, migrate
+from billing import admin
+from billing.db import Database, embedded_url, make_engine, migrate
 from billing.health import check_database
 from billing.models import Base
+from billing.quota_memory import MemoryQuotaStore
+from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
 from tests.integration.billing.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 
@@ -90,3 +93,24 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+# The embedded (SQLite + in-process quotas) gateway stack with an admin key and a static key.
+ADMIN = "sk-admin-test"
+STATIC = "sk-static-test"
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Database]:
+    db = Database.connect(embedded_url(tmp_path), migrate_if_needed=True)
+    admin.set_price(db, MODEL, input_usd="1", cached_input_usd="0.5", output_usd="2")
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def stack(sqlite_db: Database) -> Iterator[Stack]:
+    store = MemoryQuotaStore()
+    s = start_stack(sqlite_db, lambda: store, api_keys=[STATIC], admin_key=ADMIN)
+    yield s
+    s.close()

@@ -8,8 +8,6 @@ consumers, and a tap that keeps every `UsageRecord` the engine published.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 import uuid
@@ -18,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.app import create_app
+from benchmarks.faults_infra import TcpProxy
 from billing.admission import AdmissionService
 from billing.db import Database
 from billing.keys import KeyAuthenticator
@@ -150,49 +149,8 @@ def start_stack(
     return Stack(bus, db, backend, worker, tap, loops, services, servers, threads)
 
 
-class RedisProxy:
+class RedisProxy(TcpProxy):
     """A TCP proxy in front of Redis; `cut()` is the outage (listener and links closed)."""
 
     def __init__(self, upstream_port: int = 6379) -> None:
-        self.upstream_port = upstream_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._links: list[socket.socket] = []
-        self._down = threading.Event()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._down.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            with self._lock:
-                self._links += [client, upstream]
-                if self._down.is_set():  # accepted while cut() ran: cut it too
-                    self._close_links()
-                    return
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self) -> None:
-        with self._lock:
-            self._down.set()
-            self._listener.close()
-            self._close_links()
-
-    def _close_links(self) -> None:
-        for link in self._links:
-            with contextlib.suppress(OSError):
-                link.shutdown(socket.SHUT_RDWR)
-            link.close()
+        super().__init__(upstream_port)

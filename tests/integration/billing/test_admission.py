@@ -11,7 +11,7 @@ from billing.db import Database, embedded_url
 from billing.errors import AuthenticationFailed
 from billing.keys import KeyRepository
 from billing.prices import PriceBook
-from billing.tenants import Limits, TenantRepository
+from billing.tenants import PlanLimits, TenantRepository
 from bus.messages import Timings, Usage, UsageRecord
 from bus.topics import Lane
 
@@ -20,7 +20,7 @@ def test_embedded_admission_end_to_end(tmp_path: Path) -> None:
     service = open_admission(database_url=None, redis_url=None, data_dir=tmp_path)
     db = Database.connect(embedded_url(tmp_path))
     TenantRepository(db).create(
-        "acme", Limits(rpm=100, tpm=1000, max_concurrency=1, monthly_budget_micros=2_000)
+        "acme", PlanLimits(rpm=100, tpm=1000, max_concurrency=1, monthly_budget_micros=2_000)
     )
     key = KeyRepository(db).create("acme").api_key
     PriceBook(db).set("m", input_usd="1", cached_input_usd="0.5", output_usd="2")

@@ -15,7 +15,7 @@ from billing.models import UsageEntry
 from billing.prices import Price, PriceBook, PriceCache
 from billing.quota_memory import MemoryQuotaStore
 from billing.quotas import Reservation
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 from bus.base import EventBus, TopicSpec
 from bus.codec import encode
 from bus.messages import UsageRecord
@@ -97,7 +97,8 @@ def test_an_attempts_own_usage_replaces_the_resumers_estimate_in_either_order(
 ) -> None:
     """A killed attempt's usage: the resuming worker's estimate (the tokens confirmed
     published) and the attempt's own record (what it generated, published before the
-    kill) may both arrive, in either order; the ledger keeps the own one (DESIGN.md §5.4)."""
+    kill) may both arrive, in either order; the ledger keeps the own one
+    (docs/architecture.md §5.4)."""
     set_prices(db)
     ledger = UsageLedger(db)
     base = make_usages(2)
@@ -169,7 +170,7 @@ def test_quota_consumer_replays_count_once(db: Database, topic: str, group: str)
         _usage(u), batch=u.batch_id is not None,
     ).cost_micros for u in usages)  # fmt: skip
     # exactly `spent` was counted once: a budget of spent + 1 leaves room for 1, not 2
-    limits = Limits(monthly_budget_micros=spent + 1)
+    limits = PlanLimits(monthly_budget_micros=spent + 1)
     assert store.admit(limits, Reservation("ten_a", "x", 0, 1, 1)).allowed
     assert not store.admit(limits, Reservation("ten_a", "y", 0, 1, 1)).allowed
     bus.close()

@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
-import pytest
 
 from billing import admin
-from billing.db import Database, embedded_url
+from billing.db import Database
 from billing.quota_memory import MemoryQuotaStore
+from tests.integration.billing.conftest import ADMIN, STATIC
 from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
 from tests.integration.billing.test_gateway_tenancy import auth, chat
-
-ADMIN = "sk-admin-test"
-STATIC = "sk-static-test"
-
-
-@pytest.fixture
-def sqlite_db(tmp_path: Path) -> Iterator[Database]:
-    db = Database.connect(embedded_url(tmp_path), migrate_if_needed=True)
-    admin.set_price(db, MODEL, input_usd="1", cached_input_usd="0.5", output_usd="2")
-    yield db
-    db.close()
-
-
-@pytest.fixture
-def stack(sqlite_db: Database) -> Iterator[Stack]:
-    store = MemoryQuotaStore()
-    s = start_stack(sqlite_db, lambda: store, api_keys=[STATIC], admin_key=ADMIN)
-    yield s
-    s.close()
 
 
 def test_exhausted_budget_is_429_insufficient_quota_without_retry(

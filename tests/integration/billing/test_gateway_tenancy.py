@@ -1,7 +1,7 @@
 """Tenancy across the whole flow: keys → admission → engine → usage → ledger, quotas, reports.
 
 Two stores: embedded (SQLite + in-process quotas) and distributed (PostgreSQL + Redis).
-The relation guaranteed for usage, per request attempt (DESIGN.md §5.4):
+The relation guaranteed for usage, per request attempt (docs/architecture.md §5.4):
 - ledger row == the engine's UsageRecord, to the token;
 - a finished request: the usage the client was told == the engine's record;
 - a stream the client cut off: engine completion tokens >= tokens the client received

@@ -11,7 +11,7 @@ from billing.db import Database
 from billing.errors import AuthenticationFailed, Conflict, InvalidInput, NotFound
 from billing.keys import KeyAuthenticator, KeyRepository
 from billing.models import ApiKey
-from billing.tenants import Limits, TenantRepository, usd_to_micros
+from billing.tenants import PlanLimits, TenantRepository, usd_to_micros
 
 
 class Clock:
@@ -24,21 +24,21 @@ class Clock:
 
 def test_tenant_create_list_and_unique_name(db: Database) -> None:
     tenants = TenantRepository(db)
-    limits = Limits(rpm=60, tpm=10_000, max_concurrency=4, monthly_budget_micros=25_000_000)
+    limits = PlanLimits(rpm=60, tpm=10_000, max_concurrency=4, monthly_budget_micros=25_000_000)
     acme = tenants.create("acme", limits)
-    tenants.create("beta", Limits())
+    tenants.create("beta", PlanLimits())
     assert acme.tenant_id.startswith("ten_")
     assert [t.name for t in tenants.list()] == ["acme", "beta"]
     assert tenants.get("acme").limits == limits
     assert tenants.get(acme.tenant_id).name == "acme"
     with pytest.raises(Conflict):
-        tenants.create("acme", Limits())
+        tenants.create("acme", PlanLimits())
     with pytest.raises(NotFound):
         tenants.get("nobody")
 
 
 def test_key_is_shown_once_stored_as_a_hash_and_authenticates(db: Database) -> None:
-    tenant = TenantRepository(db).create("acme", Limits(rpm=5))
+    tenant = TenantRepository(db).create("acme", PlanLimits(rpm=5))
     created = KeyRepository(db).create("acme")
     assert created.api_key.startswith(f"sk-sluice-{created.prefix}_")
     with db.session() as session:
@@ -48,14 +48,14 @@ def test_key_is_shown_once_stored_as_a_hash_and_authenticates(db: Database) -> N
         assert created.api_key not in (row.secret_hash, row.prefix)
     principal = KeyAuthenticator(db).authenticate(f"Bearer {created.api_key}")
     assert (principal.tenant_id, principal.key_id) == (tenant.tenant_id, created.key_id)
-    assert principal.limits == Limits(rpm=5)
+    assert principal.limits == PlanLimits(rpm=5)
     listed = KeyRepository(db).list()
     assert [k.key_id for k in listed] == [created.key_id]
     assert listed[0].last_used_at is not None
 
 
 def test_unknown_revoked_and_malformed_keys_get_the_same_error(db: Database) -> None:
-    TenantRepository(db).create("acme", Limits())
+    TenantRepository(db).create("acme", PlanLimits())
     keys = KeyRepository(db)
     revoked = keys.create("acme")
     keys.revoke(revoked.key_id)
@@ -82,7 +82,7 @@ def test_unknown_revoked_and_malformed_keys_get_the_same_error(db: Database) -> 
 
 
 def test_revocation_takes_effect_within_the_cache_ttl(db: Database) -> None:
-    TenantRepository(db).create("acme", Limits())
+    TenantRepository(db).create("acme", PlanLimits())
     keys = KeyRepository(db)
     created = keys.create("acme")
     clock = Clock()
@@ -107,13 +107,13 @@ def test_keys_for_an_unknown_tenant_and_bad_amounts_are_refused(db: Database) ->
         with pytest.raises(InvalidInput):
             usd_to_micros(bad)
     with pytest.raises(InvalidInput):
-        Limits(rpm=-1)
+        PlanLimits(rpm=-1)
 
 
 def test_keys_listing_is_per_tenant(db: Database) -> None:
     tenants = TenantRepository(db)
-    tenants.create("a", Limits())
-    tenants.create("b", Limits())
+    tenants.create("a", PlanLimits())
+    tenants.create("b", PlanLimits())
     keys = KeyRepository(db)
     ka = keys.create("a")
     keys.create("b")

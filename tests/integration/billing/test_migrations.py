@@ -12,7 +12,8 @@ from billing.health import check_database
 from tests.integration.billing.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 
-TABLES = {"plans", "tenants", "api_keys", "model_prices", "usage_ledger"}
+TABLES = {"plans", "tenants", "api_keys", "model_prices", "usage_ledger", "files", "batches"}
+TABLES |= {"batch_lines"}
 
 
 def tables(engine: sa.Engine) -> set[str]:

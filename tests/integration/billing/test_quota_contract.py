@@ -9,7 +9,7 @@ import pytest
 from billing.quota_memory import MemoryQuotaStore
 from billing.quota_redis import RedisQuotaStore
 from billing.quotas import QuotaStore, Reservation, Settlement, release
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 from tests.integration.billing.conftest import FakeClock
 
 Make = Callable[..., QuotaStore]
@@ -45,7 +45,7 @@ def settle(rid: str, tokens: int, cost: int = 0, tenant: str = "t1") -> Settleme
 def test_requests_per_minute_with_headers_and_retry_after(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(rpm=3)
+    limits = PlanLimits(rpm=3)
     decisions = [store.admit(limits, res(f"r{n}")) for n in range(4)]
     assert [d.allowed for d in decisions] == [True, True, True, False]
     assert [d.remaining_requests for d in decisions] == [2, 1, 0, 0]
@@ -67,13 +67,13 @@ def test_requests_per_minute_with_headers_and_retry_after(make_store: Make) -> N
     assert not store.admit(limits, res("r4")).allowed
     clock.advance(0.1)
     assert store.admit(limits, res("r5")).allowed
-    assert store.admit(Limits(rpm=3), res("other", tenant="t2")).allowed  # per tenant
+    assert store.admit(PlanLimits(rpm=3), res("other", tenant="t2")).allowed  # per tenant
 
 
 def test_tokens_are_reserved_at_admission_and_settled_from_usage(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(tpm=1000)
+    limits = PlanLimits(tpm=1000)
     first = store.admit(limits, res("a", tokens=600))
     assert (first.allowed, first.remaining_tokens) == (True, 400)
     assert first.headers()["x-ratelimit-reset-tokens"] == "50s"
@@ -91,7 +91,7 @@ def test_tokens_are_reserved_at_admission_and_settled_from_usage(make_store: Mak
 def test_concurrency_acquired_at_admission_released_by_usage(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock, lease_s=600)
-    limits = Limits(max_concurrency=2)
+    limits = PlanLimits(max_concurrency=2)
     assert store.admit(limits, res("a")).allowed
     assert store.admit(limits, res("b")).allowed
     denied = store.admit(limits, res("c"))
@@ -108,7 +108,7 @@ def test_concurrency_acquired_at_admission_released_by_usage(make_store: Make) -
 def test_monthly_budget_counts_spend_and_estimates_in_flight(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(monthly_budget_micros=1000)
+    limits = PlanLimits(monthly_budget_micros=1000)
     assert store.admit(limits, res("a", cost=600)).allowed
     denied = store.admit(limits, res("b", cost=600))
     assert (denied.allowed, denied.reason) == (False, "budget")
@@ -125,7 +125,7 @@ def test_monthly_budget_counts_spend_and_estimates_in_flight(make_store: Make) -
 def test_settlement_is_deduplicated_by_request_and_attempt(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(tpm=1000, monthly_budget_micros=1000, max_concurrency=5)
+    limits = PlanLimits(tpm=1000, monthly_budget_micros=1000, max_concurrency=5)
     assert store.admit(limits, res("a", tokens=500, cost=400)).allowed
     assert store.settle(settle("a", tokens=400, cost=400))
     for _ in range(3):
@@ -142,7 +142,7 @@ def test_an_attempts_own_settlement_replaces_an_estimated_one(make_store: Make) 
     record: the store ends up as if only the own one had come, in either order."""
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(tpm=1000, monthly_budget_micros=1000)
+    limits = PlanLimits(tpm=1000, monthly_budget_micros=1000)
     assert store.admit(limits, res("a", tokens=500, cost=500)).allowed
     assert store.settle(Settlement("t1", "a", 0, 100, 100, estimated=True))
     assert not store.settle(Settlement("t1", "a", 0, 100, 100, estimated=True))  # replay
@@ -159,7 +159,7 @@ def test_an_attempts_own_settlement_replaces_an_estimated_one(make_store: Make) 
 def test_a_denial_reserves_nothing(make_store: Make) -> None:
     clock = FakeClock()
     store = make_store(clock)
-    limits = Limits(rpm=2, tpm=100, max_concurrency=1)
+    limits = PlanLimits(rpm=2, tpm=100, max_concurrency=1)
     assert not store.admit(limits, res("big", tokens=101)).allowed
     first = store.admit(limits, res("a", tokens=100))
     assert (first.allowed, first.remaining_requests, first.remaining_tokens) == (True, 1, 0)
@@ -170,7 +170,7 @@ def test_a_denial_reserves_nothing(make_store: Make) -> None:
 
 def test_unlimited_tenants_get_no_ratelimit_headers(make_store: Make) -> None:
     store = make_store(FakeClock())
-    decision = store.admit(Limits(), res("a", tokens=10**9, cost=10**12))
+    decision = store.admit(PlanLimits(), res("a", tokens=10**9, cost=10**12))
     assert decision.allowed and decision.headers() == {}
-    zero = store.admit(Limits(rpm=0), res("b"))
+    zero = store.admit(PlanLimits(rpm=0), res("b"))
     assert (zero.allowed, zero.reason) == (False, "requests")

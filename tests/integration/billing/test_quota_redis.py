@@ -16,14 +16,14 @@ import redis
 from billing.errors import StoreUnavailable
 from billing.quota_redis import RedisQuotaStore
 from billing.quotas import Reservation, Settlement
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 
 
 def _admit_burst(
     url: str, prefix: str, worker: int, start_at: float, out: multiprocessing.Queue[int]
 ) -> None:
     store = RedisQuotaStore(url, prefix=prefix, timeout_s=5.0)
-    limits = Limits(max_concurrency=10)
+    limits = PlanLimits(max_concurrency=10)
     allowed = 0
     lock = threading.Lock()
 
@@ -102,8 +102,8 @@ def test_outage_fails_rate_limits_open_with_a_local_cap_and_budgets_closed(
 ) -> None:
     url, proc = own_redis
     store = RedisQuotaStore(url, fallback_replicas=2, retry_interval_s=0.2)
-    rate_limited = Limits(rpm=10, max_concurrency=20)
-    budgeted = Limits(rpm=10, monthly_budget_micros=10**9)
+    rate_limited = PlanLimits(rpm=10, max_concurrency=20)
+    budgeted = PlanLimits(rpm=10, monthly_budget_micros=10**9)
     healthy = store.admit(rate_limited, Reservation("a", "before", 0, 1, 0))
     assert healthy.allowed and not healthy.degraded
     assert store.admit(budgeted, Reservation("b", "before", 0, 1, 1)).allowed
@@ -128,8 +128,10 @@ def test_outage_fails_rate_limits_open_with_a_local_cap_and_budgets_closed(
 def test_a_closed_port_is_an_outage_too() -> None:
     store = RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
     started = time.monotonic()
-    open_decision = store.admit(Limits(rpm=100), Reservation("a", "x", 0, 1, 0))
-    closed_decision = store.admit(Limits(monthly_budget_micros=5), Reservation("b", "y", 0, 1, 1))
+    open_decision = store.admit(PlanLimits(rpm=100), Reservation("a", "x", 0, 1, 0))
+    closed_decision = store.admit(
+        PlanLimits(monthly_budget_micros=5), Reservation("b", "y", 0, 1, 1)
+    )
     assert open_decision.allowed and open_decision.degraded
     assert not closed_decision.allowed and closed_decision.reason == "unavailable"
     assert time.monotonic() - started < 2.0

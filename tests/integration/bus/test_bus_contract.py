@@ -10,11 +10,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from bus.base import EventBus, Record, TopicPartition, TopicSpec
+from bus.memory import MemoryEventBus
 from bus.topics import TopicLayout
 from tests.integration.bus.drain import Member, wait_until
 from tracing.propagation import extract_context, inject_headers
 
-SETTLE_S = 60.0  # Kafka group joins take seconds (DESIGN.md §9); memory is instant
+SETTLE_S = 60.0  # Kafka group joins take seconds (docs/architecture.md §2); memory is instant
 
 
 def test_topics_are_created_with_configured_partitions(bus: EventBus, topic: str) -> None:
@@ -171,6 +172,34 @@ def test_paused_partitions_deliver_nothing_until_resumed(
     consumer.close()
 
 
+def test_a_partition_paused_through_a_rebalance_is_paused_only_if_paused_says_so(
+    bus: EventBus, topic: str, group: str
+) -> None:
+    """The engine worker trusts `paused()` to resume what it paused. librdkafka keeps a
+    partition paused through a rebalance, even one that comes back to the same member;
+    the adapter once reported it unpaused, so it was never resumed nor fetched again."""
+    bus.create_topics([TopicSpec(topic, 1)])
+    held = TopicPartition(topic, 0)
+    revoked: list[set[TopicPartition]] = []
+    consumer = bus.consumer(group, [topic], on_revoke=revoked.append)
+    wait_until(lambda: bool(consumer.assignment()) or bool(consumer.poll(0.1)), SETTLE_S, "join")
+    consumer.pause([held])
+    other = Member(bus.consumer(group, [topic])).start()  # a rebalance, and another when
+    deadline = time.monotonic() + 15  # it leaves: the partition comes back
+    while not revoked and time.monotonic() < deadline:  # (the memory bus may keep it)
+        consumer.poll(0.1)
+    other.halt()
+    wait_until(lambda: bool(consumer.poll(0.1)) or held in consumer.assignment(), SETTLE_S, "back")
+    consumer.resume(sorted(consumer.paused()))
+    for n in range(3):
+        bus.publish(topic, f"m{n}".encode(), partition=0)
+    bus.flush()
+    got: list[Record] = []
+    wait_until(lambda: len(got.__iadd__(consumer.poll(0.1))) >= 3, 30, "3 records")
+    consumer.close()
+    assert [r.value for r in got] == [b"m0", b"m1", b"m2"]
+
+
 def test_a_partition_paused_with_records_in_line_delivers_them_after_resume(
     bus: EventBus, topic: str, group: str
 ) -> None:
@@ -297,3 +326,17 @@ def test_a_latest_consumer_sees_what_is_published_once_it_is_assigned(
     finally:
         consumer.close()
     assert b"new" in got
+
+
+def test_publishers_that_stop_waiting_do_not_stop_later_deliveries(
+    bus: EventBus, topic: str
+) -> None:
+    """A publish whose waiter timed out (its future cancelled) before the broker answered:
+    the deliveries after it are still confirmed."""
+    bus.create_topics([TopicSpec(topic, 1)])
+    futures = [bus.publish(topic, b"given up", key=b"k") for _ in range(200)]
+    cancelled = sum(f.cancel() for f in futures)
+    later = bus.publish(topic, b"waited for", key=b"k")
+    assert later.result(timeout=15).topic == topic
+    if not isinstance(bus, MemoryEventBus):  # Kafka answers later: most were given up on
+        assert cancelled > 0

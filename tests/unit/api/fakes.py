@@ -38,6 +38,8 @@ class ByteTokenizer:
     """One token per UTF-8 byte; chat template `<role>content\\n...<assistant>`."""
 
     eos_token_ids: tuple[int, ...] = (0,)
+    vocab_size: int = 256
+    max_token_chars: int = 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -130,9 +132,14 @@ class FakeEngineWorker:
                         self._active[message.request_id] = _Active(message, self.reply)
                         self._targets[message.request_id] = message.reply_to
                     elif isinstance(message, Cancel):
-                        active = self._active.pop(message.request_id or "", None)
-                        if active is not None:
-                            self._publish([self._terminal(active, "abort")])
+                        ids = [message.request_id] if message.request_id else [
+                            rid for rid, a in self._active.items()
+                            if a.request.batch_id == message.batch_id
+                        ]  # fmt: skip
+                        for request_id in ids:
+                            active = self._active.pop(request_id or "", None)
+                            if active is not None:
+                                self._publish([self._terminal(active, "abort")])
                         self.cancels.append(message)
                 self._step()
                 time.sleep(self.step_s)

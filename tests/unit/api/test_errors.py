@@ -107,7 +107,7 @@ def test_engine_error_non_stream_and_stream(client: TestClient, engine: FakeEngi
     engine.mode = "error"
     r = client.post("/v1/chat/completions", json=CHAT)
     assert_error(r, 500, "server_error", "engine_error")
-    assert r.json()["error"]["message"] == "boom"
+    assert "boom" not in r.json()["error"]["message"]  # the engine's words stay in the log
     with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
         payloads = sse_payloads(s.read().decode())
     assert payloads[-1] == "[DONE]"

@@ -32,3 +32,18 @@ def test_chat_with_the_engine_tokenizer(
     [(_, req)] = engine.requests
     assert req.prompt_token_ids == tokenizer.apply_chat_template(messages, tokenize=True)
     assert r.json()["usage"]["prompt_tokens"] == len(req.prompt_token_ids)
+
+
+def test_long_texts_tokenize_the_same_without_the_gil(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_dir(ensure_tiny_llama(tmp_path))
+    text = "Once upon a time, héllo wörld! " * 400  # past the GIL-free threshold
+    raw = tokenizer._tok  # the HF tokenizer underneath, encoded the plain way
+    assert tokenizer.encode(text) == raw.encode(text).ids
+    assert (
+        tokenizer.encode(text, add_special_tokens=False)
+        == raw.encode(text, add_special_tokens=False).ids
+    )
+    # no token covers more characters than its vocabulary entry has
+    assert max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size)) <= (
+        tokenizer.max_token_chars
+    )

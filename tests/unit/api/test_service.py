@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import api.generation
 from api.generation import Generation, StreamEvent, Track
 from api.service import GatewayService
 from bus.codec import decode_as, encode
@@ -96,6 +97,98 @@ def test_fencing_and_dedupe_across_a_failover() -> None:
         assert generation.num_completion_tokens == 11
         assert generation.num_cached_tokens == 1
         assert service.num_live_requests == 0
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_a_delta_overtaken_by_the_next_one_is_taken_in_order() -> None:
+    """A publish the worker had to retry lands after the next step's: the later delta
+    waits for it, so the client gets every token once, in order (it used to get a gap:
+    the late delta, below the last seq_no taken, was dropped as redelivered)."""
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        for d in [
+            delta(0, 0, 0, "He"),
+            delta(0, 2, 4, "o w"),  # overtook seq 1
+            delta(0, 3, 7, "orld", finish_reason="length"),  # the end, held too
+            delta(0, 1, 2, "ll"),  # late: fills the gap, then the held ones go out
+            delta(0, 1, 2, "ll"),  # redelivered after the gap closed: dropped
+        ]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        events = []
+        while generation.pending:
+            event = await generation.next_event(1.0)
+            assert event is not None
+            events.append((event.text, event.finish_reason))
+        assert events == [("He", None), ("ll", None), ("o w", None), ("orld", "length")]
+        assert generation.num_completion_tokens == 11
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_a_gap_no_delta_fills_goes_out_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta that never comes (its worker died without a successor yet) holds the rest
+    back for `GAP_WAIT_S`, then they go out with the gap rather than never."""
+    monkeypatch.setattr(api.generation, "GAP_WAIT_S", 0.2)
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        for d in [delta(0, 0, 0, "ab"), delta(0, 2, 4, "ef", finish_reason="length")]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        events = []
+        while generation.pending:
+            event = await generation.next_event(5.0)  # a long keep-alive: the gap is shorter
+            assert event is not None
+            events.append((event.text, event.finish_reason))
+        assert events == [("ab", None), ("ef", "length")]
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_the_same_attempt_run_again_from_the_start_fills_in_what_is_missing() -> None:
+    """A worker that takes a partition over with no shared progress store runs the
+    request again as the same attempt, seq_no from 0: what it brings past the client's
+    tokens is taken, the rest dropped (its seq_nos are all at or below the last taken)."""
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        for d in [
+            delta(0, 0, 0, "Hel"),
+            delta(0, 1, 3, "lo w"),  # the first worker got this far
+            delta(0, 0, 0, "He"),  # the next one, from the start
+            delta(0, 1, 2, "llo wo", finish_reason="length"),
+        ]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        [result] = await generation.collect()
+        assert result.text == "Hello wo" and result.finish_reason == "length"
+        await service.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failover_drops_what_its_dead_attempt_held() -> None:
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = await _started(bus)
+        generation = await service.submit([request()], deadline_ms=None)
+        for d in [
+            delta(0, 0, 0, "ab"),
+            delta(0, 2, 4, "ZZ"),  # ahead of a delta that died with its worker
+            delta(1, 0, 2, "cdef", finish_reason="length"),  # attempt 1 resumes at 2
+        ]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        [result] = await generation.collect()
+        assert result.text == "abcdef" and result.finish_reason == "length"
         await service.stop()
 
     asyncio.run(main())

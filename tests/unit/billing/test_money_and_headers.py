@@ -10,7 +10,7 @@ from billing.errors import InvalidInput
 from billing.prices import Price, parse_discount, picos_to_micros_ceil, picos_to_usd
 from billing.quotas import Decision, format_duration, ms_to_next_month, scaled
 from billing.reports import format_usd
-from billing.tenants import Limits
+from billing.tenants import PlanLimits
 
 
 def test_cost_is_exact_in_pico_dollars() -> None:
@@ -46,5 +46,5 @@ def test_reset_durations_in_openai_format() -> None:
 def test_month_boundary_and_fallback_shares() -> None:
     jan_31_end = 1_769_903_999_000  # 2026-01-31T23:59:59Z
     assert ms_to_next_month(jan_31_end) == 1000
-    assert scaled(Limits(10, 7, 1, 500), 3) == Limits(3, 2, 1, None)
-    assert scaled(Limits(rpm=0), 3).rpm == 0
+    assert scaled(PlanLimits(10, 7, 1, 500), 3) == PlanLimits(3, 2, 1, None)
+    assert scaled(PlanLimits(rpm=0), 3).rpm == 0

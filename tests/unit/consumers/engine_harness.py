@@ -153,6 +153,31 @@ def committed(bus: MemoryEventBus, group: str = "engine") -> dict[TopicPartition
         return dict(bus._groups[group].committed)
 
 
+def wait_controls_read(bus: MemoryEventBus, timeout_s: float = 10.0) -> None:
+    """Until every worker's control consumer has read the control topic to its end. A poll
+    round hands its cancels to the worker before its requests, so a request sent after
+    this meets every cancel sent before it."""
+    tps = [TopicPartition(CONTROL_TOPIC, p) for p in range(bus.num_partitions(CONTROL_TOPIC))]
+    ends = {tp: bus.end_offset(tp) for tp in tps}
+
+    def read() -> bool:
+        with bus._cond:
+            members = [
+                member
+                for group_id, group in bus._groups.items()
+                if group_id.startswith("engine-control")
+                for member in group.members.values()
+            ]
+            return bool(members) and all(
+                (m.position(tp) or 0) >= end for m in members for tp, end in ends.items()
+            )
+
+    deadline = time.monotonic() + timeout_s
+    while not read():
+        assert time.monotonic() < deadline, "the workers did not read the control topic"
+        time.sleep(0.001)
+
+
 def partition_tenants(num_partitions: int = 2) -> list[str]:
     """One tenant name per partition (requests are keyed by tenant)."""
     found: dict[int, str] = {}

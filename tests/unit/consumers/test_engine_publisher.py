@@ -1,4 +1,6 @@
-"""Reply coalescing: mid-stream deltas wait for the interval; first and last ones do not."""
+"""Reply coalescing: mid-stream deltas wait for the interval; first and last ones do not.
+
+The interval runs on `FakeClockLoop`'s clock, which moves only when a test advances it."""
 
 from __future__ import annotations
 
@@ -6,14 +8,16 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from bus.base import TopicPartition
 from bus.codec import decode_as, encode
 from bus.memory import MemoryEventBus
 from bus.messages import TokenDeltaBatch
 from bus.topics import reply_topic
-from consumers.engine_outputs import ItemState, WorkItem
 from consumers.engine_publisher import StepPublisher
 from consumers.progress import MemoryProgressStore, StepProgress
+from consumers.work_item import WorkItem
 from engine.backends.base import EngineDelta
 from tests.unit.consumers.engine_harness import GATEWAY, create_topics, make_request
 
@@ -30,26 +34,48 @@ class RecordingStore(MemoryProgressStore):
 
 def _item(store: MemoryProgressStore, request_id: str) -> WorkItem:
     item = WorkItem(make_request(request_id), TopicPartition("t", 0), 0, None, 0)
+    item.start()
     item.begin(store.begin_attempts([(request_id, 0)])[0])
-    item.state = ItemState.RUNNING
+    item.run()
     return item
 
 
+class FakeClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose `time()` (what `call_at` timers and the publisher read) moves
+    only by `advance`: a timer fires on the first loop turn after its time is passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def advance_to(self, now: float) -> None:
+        assert now >= self.now
+        self.now = now
+
+
 async def _scenario(interval_s: float) -> tuple[list[list[list[int]]], RecordingStore, list[str]]:
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, FakeClockLoop)
     bus = MemoryEventBus()
     create_topics(bus, 1)
     replies = bus.consumer("gw", [reply_topic(GATEWAY)])
     store, finished = RecordingStore(), []
     io = ThreadPoolExecutor(1)
-    publisher = StepPublisher(
-        bus,
-        store,
-        io,
-        "w1",
-        lambda done, _fenced: finished.extend(i.request_id for i in done),
-        reply_interval_s=interval_s,
-    )
-    publisher.bind(asyncio.get_running_loop())
+    confirmed = asyncio.Event()  # set by each confirmed step (the publisher's callback)
+
+    def on_confirmed(done: list[WorkItem], _fenced: set[str]) -> None:
+        finished.extend(i.request_id for i in done)
+        confirmed.set()
+
+    async def next_confirmed_step() -> None:
+        await confirmed.wait()
+        confirmed.clear()
+
+    publisher = StepPublisher(bus, store, io, "w1", on_confirmed, reply_interval_s=interval_s)
+    publisher.bind(loop)
     a, b = _item(store, "a"), _item(store, "b")
     messages: list[list[list[int]]] = []
 
@@ -59,15 +85,22 @@ async def _scenario(interval_s: float) -> tuple[list[list[list[int]]], Recording
             messages.append([d.token_ids for d in batch.deltas])
 
     publisher.publish_step([(a, EngineDelta("a", [1], "x")), (b, EngineDelta("b", [11], "y"))])
-    for n in range(2, 5):  # three quick mid-stream steps
-        await asyncio.sleep(0.002)
+    for n in range(2, 5):  # three quick mid-stream steps, 2 ms apart
+        loop.advance_to((n - 1) * 0.002)
         publisher.publish_step(
             [(a, EngineDelta("a", [n], "x")), (b, EngineDelta("b", [10 + n], "y"))]
         )
-    await asyncio.sleep(0.01)
+    await next_confirmed_step()  # the first one; the others are held, not queued
     read()
     held_progress = list(store.recorded)
-    await asyncio.sleep(interval_s + 0.05)  # the timer sends what is held
+    due = 0.002 + interval_s  # the interval from the first held step
+    loop.advance_to(due - 0.001)
+    for _ in range(3):  # loop turns, where a due timer would fire (it publishes at once)
+        await asyncio.sleep(0)
+    read()
+    assert len(messages) == 1, "held deltas went out before their interval"
+    loop.advance_to(due)  # the timer sends what is held
+    await next_confirmed_step()
     read()
     publisher.publish_step([(a, EngineDelta("a", [5], "x", finish_reason="length"))])
     assert await publisher.flush(5.0)
@@ -78,8 +111,10 @@ async def _scenario(interval_s: float) -> tuple[list[list[list[int]]], Recording
     return messages, store, finished
 
 
+@pytest.mark.timeout(30)  # the fake clock never ends a wait: a timer that does not fire hangs
 def test_mid_stream_deltas_wait_for_the_interval_first_and_last_go_at_once() -> None:
-    messages, store, finished = asyncio.run(_scenario(0.1))
+    with asyncio.Runner(loop_factory=FakeClockLoop) as runner:
+        messages, store, finished = runner.run(_scenario(0.1))
     assert messages == [
         [[1], [11]],  # first tokens: at once
         [[2, 3, 4], [12, 13, 14]],  # three steps held, sent by the timer, one delta each

@@ -15,6 +15,7 @@ from tests.unit.consumers.engine_harness import (
     committed,
     create_topics,
     make_request,
+    wait_controls_read,
 )
 
 FAST = EngineWorkerConfig(poll_timeout_s=0.01, tick_s=0.005, max_engine_waiting=1)
@@ -37,9 +38,9 @@ def submitted_ids(worker: WorkerThread) -> set[str]:
 
 
 def test_cancel_before_the_request_arrives_answers_abort_without_running() -> None:
-    _, client, worker = start()
+    bus, client, worker = start()
     client.cancel("late")
-    time.sleep(0.2)  # the broadcast cancel is consumed before the request is polled
+    wait_controls_read(bus)  # the broadcast cancel is consumed before the request
     client.send(make_request("late"), make_request("other", tenant="t2"))
     client.cancel("other")  # another tenant's cancel (tenant t1) must not touch it
     client.wait_finished(["late", "other"])

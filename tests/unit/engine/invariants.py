@@ -1,4 +1,4 @@
-"""Invariant checks shared by the block-pool and scheduler tests (DESIGN.md §7, STYLE.md)."""
+"""Invariant checks shared by the block-pool and scheduler tests (docs/architecture.md §7, §9)."""
 
 from __future__ import annotations
 

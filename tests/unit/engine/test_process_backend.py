@@ -15,6 +15,7 @@ from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, Re
 from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 from engine.backends.torch_backend import TorchEngineBackend
 from engine.config import EngineConfig
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
@@ -64,9 +65,9 @@ def test_the_engine_process_streams_what_the_thread_does_aborts_and_shuts_down(
         await until_terminal(thread.deltas(), {"ref"}, ref)
         thread.shutdown()
 
-        engine = ProcessEngineBackend(EngineSpec("tiny-llama", CONFIG, tmp_path))
         cpus = sorted(os.sched_getaffinity(0))
-        engine.thread_cpus = frozenset(cpus[-1:])
+        options = EngineOptions(cpus=frozenset(cpus[-1:]))
+        engine = ProcessEngineBackend(EngineSpec("tiny-llama", CONFIG, tmp_path, options=options))
         engine.start()
         assert engine.health() and engine.config.max_model_len == 256
         assert os.sched_getaffinity(engine._process.pid) == {cpus[-1]}

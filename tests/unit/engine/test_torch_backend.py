@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,46 +14,23 @@ import torch
 from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, RequestRejectedError
 from engine.backends.torch_backend import TorchEngineBackend
 from engine.config import EngineConfig
+from engine.core.outputs import RunnerOutput, SchedulerOutput
 from engine.engine_core import EngineCore
-from engine.sampling import SamplingParams
+from engine.options import EngineOptions
+from tests.unit.engine.backend_contract import collect, greedy
 from tests.unit.engine.fakes import FailingRunner, FakeRunner, reference_tokens
 from tests.unit.engine.invariants import check_all_returned
 
 PROMPT = list(range(1, 19))
 
 
-def make_backend(runner: FakeRunner | None = None, **overrides: Any) -> TorchEngineBackend:
+def make_backend(
+    runner: FakeRunner | None = None, options: EngineOptions | None = None, **overrides: Any
+) -> TorchEngineBackend:
     overrides.setdefault("max_model_len", 64)
     config = EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, **overrides)
     core = EngineCore(config, runner or FakeRunner(64, 4), hash_seed=0)
-    return TorchEngineBackend(core)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-async def collect(
-    backend: TorchEngineBackend,
-    expected: set[str],
-    on_batch: Callable[[list[EngineDelta]], Awaitable[None]] | None = None,
-) -> dict[str, list[EngineDelta]]:
-    """Read deltas until every expected request has its terminal delta."""
-    out: dict[str, list[EngineDelta]] = {}
-    done: set[str] = set()
-    async with asyncio.timeout(10):
-        async for batch in backend.deltas():
-            assert len({d.request_id for d in batch}) == len(batch), "one delta per request/step"
-            for delta in batch:
-                assert delta.request_id not in done, "delta after the terminal one"
-                out.setdefault(delta.request_id, []).append(delta)
-                if delta.finished:
-                    done.add(delta.request_id)
-            if on_batch is not None:
-                await on_batch(batch)
-            if done >= expected:
-                break
-    return out
+    return TorchEngineBackend(core, options=options)
 
 
 def test_many_requests_stream_to_one_terminal_each() -> None:
@@ -200,15 +176,42 @@ def test_shutdown_aborts_in_flight_requests() -> None:
     asyncio.run(main())
 
 
+class GatedRunner(FakeRunner):
+    """Holds each step until `gate` is set; `entered` says a step has begun."""
+
+    def __init__(self) -> None:
+        super().__init__(64, 4)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.num_entered = 0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.num_entered += 1
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().execute(scheduler_output)
+
+
 def test_submit_does_not_wait_for_the_engine() -> None:
+    """200 submits return while the engine is held inside a step."""
+
     async def main() -> None:
-        backend = make_backend()
+        runner = GatedRunner()
+        backend = make_backend(runner)
         backend.start()
-        t0 = time.perf_counter()
-        for i in range(200):
-            backend.submit(EngineRequest(f"r{i}", [1, 2, 3], greedy(1)))
-        assert time.perf_counter() - t0 < 0.5
-        await collect(backend, {f"r{i}" for i in range(200)})
+        backend.submit(EngineRequest("first", [1, 2, 3], greedy(1)))
+        assert runner.entered.wait(10), "the engine did not start a step"
+        submitter = threading.Thread(
+            target=lambda: [
+                backend.submit(EngineRequest(f"r{i}", [1, 2, 3], greedy(1))) for i in range(200)
+            ]
+        )
+        submitter.start()
+        submitter.join(10)  # a submit that waited for the engine would wait for the gate
+        assert not submitter.is_alive(), "submit waited for the engine's step"
+        assert runner.num_entered == 1  # still held in the first step
+        runner.gate.set()
+        await collect(backend, {"first", *(f"r{i}" for i in range(200))})
         backend.shutdown()
 
     asyncio.run(main())
@@ -234,9 +237,8 @@ def _probe_engine_thread(backend: TorchEngineBackend, probe: Callable[[int], Any
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice here")
 def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own() -> None:
-    backend = make_backend()
-    assert backend.thread_nice is None  # by default the thread keeps its priority
-    backend.thread_nice = 7  # as the engine worker sets it (EngineWorkerConfig)
+    assert make_backend().options.thread_nice == 10  # as `sluice` serves (EngineOptions)
+    backend = make_backend(options=EngineOptions(thread_nice=7))
     caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # applied only without torch helper threads
@@ -251,10 +253,10 @@ def test_the_engine_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own()
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no cpu affinity here")
 def test_the_engine_thread_runs_on_its_cores_and_the_caller_keeps_its_own() -> None:
-    backend = make_backend()
-    assert backend.thread_cpus is None  # by default it runs wherever it started
+    assert make_backend().options.cpus is None  # by default it runs wherever it started
     caller = os.sched_getaffinity(0)
     mine = frozenset([min(caller)])
-    backend.thread_cpus = mine  # as the composition root sets it (SLUICE_ENGINE_CPUS)
+    # as the composition root builds them (SLUICE_ENGINE_CPUS)
+    backend = make_backend(options=EngineOptions(cpus=mine))
     assert _probe_engine_thread(backend, os.sched_getaffinity) == mine
     assert os.sched_getaffinity(0) == caller

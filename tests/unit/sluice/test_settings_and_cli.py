@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import click
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from sluice import __version__
@@ -108,3 +113,153 @@ def test_engine_cpus_take_auto_or_a_cpu_list(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("SLUICE_ENGINE_CPUS", "cores 1 to 3")
     with pytest.raises(SettingsError, match="SLUICE_ENGINE_CPUS"):
         load_settings(ModelSettings)
+
+
+def test_engine_options_default_to_the_engines_own_and_read_their_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import os
+
+    from engine.options import EngineOptions
+    from sluice.settings import ModelSettings
+    from sluice.wiring import engine_options
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    cpu = {"device": "cpu"}
+    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(torch_threads=3)
+    for var, value in [
+        ("SLUICE_ENGINE_KERNELS", "0"),
+        ("SLUICE_KERNEL_CACHE", str(tmp_path)),
+        ("SLUICE_KERNEL_PARALLEL_MIN", "1024"),
+        ("SLUICE_ENGINE_PREPACK", "0"),
+        ("SLUICE_ENGINE_CPU_UPCAST", "0"),
+        ("SLUICE_ENGINE_THREAD_NICE", "none"),
+        ("SLUICE_GIL_SWITCH_INTERVAL_S", "0.001"),
+        ("SLUICE_ENGINE_CPUS", "3"),
+    ]:
+        monkeypatch.setenv(var, value)
+    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(
+        kernels=False,
+        kernel_cache_dir=tmp_path,
+        kernel_parallel_min_work=1024,
+        prepack=False,
+        cpu_upcast=False,
+        torch_threads=3,
+        thread_nice=None,
+        cpus=frozenset({3}),
+        gil_switch_interval_s=0.001,
+    )
+    monkeypatch.setenv("SLUICE_ENGINE_THREAD_NICE", "40")
+    with pytest.raises(SettingsError, match="SLUICE_ENGINE_THREAD_NICE"):
+        load_settings(ModelSettings)
+
+
+def _sluice(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m sluice ARGS`, the entry point a user runs."""
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_store_commands_take_data_dir_as_the_variable_does(tmp_path: Path) -> None:
+    home, data = tmp_path / "home", tmp_path / "data"
+    home.mkdir()
+    # HOME decides the default ~/.sluice, read when the settings module is imported
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env["HOME"] = str(home)
+    created = _sluice("tenants", "create", "acme", "--data-dir", str(data), "--json", env=env)
+    assert created.returncode == 0, created.stderr
+    listed = _sluice("tenants", "list", "--data-dir", str(data), "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [t["name"] for t in json.loads(listed.stdout)] == ["acme"]
+    by_variable = _sluice("tenants", "list", "--json", env={**env, "SLUICE_DATA_DIR": str(data)})
+    assert [t["name"] for t in json.loads(by_variable.stdout)] == ["acme"]
+    assert (data / "sluice.db").is_file()
+    assert not (home / ".sluice").exists()
+
+
+def test_a_bad_flag_names_the_flag_and_a_bad_variable_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result = runner.invoke(app, ["serve", "--port", "99999"])
+    assert result.exit_code == 2
+    assert "--port 99999 is invalid: Input should be less than or equal to 65535" in result.output
+    assert "SLUICE_PORT" not in result.output
+    monkeypatch.setenv("SLUICE_PORT", "99999")
+    result = runner.invoke(app, ["gateway"])
+    assert result.exit_code == 2
+    assert "SLUICE_PORT='99999' is invalid" in result.output
+
+
+def test_help_shows_defaults_and_h_is_help() -> None:
+    for command in (["serve"], ["tenants", "create"]):
+        short = runner.invoke(app, [*command, "-h"], env={"COLUMNS": "80"})
+        assert short.exit_code == 0, short.output
+        assert short.output.startswith(f"Usage: sluice {' '.join(command)} [OPTIONS]")
+        assert (
+            short.output == runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"}).output
+        )
+    wide = {"COLUMNS": "200"}  # one line per option: no wrap inside a default
+    serve = runner.invoke(app, ["serve", "-h"], env=wide).output
+    assert "[default: (8000)]" in serve and "[default: (127.0.0.1)]" in serve
+    assert "[default: (~/.sluice)]" in serve
+    tenants = runner.invoke(app, ["tenants", "create", "-h"], env=wide).output
+    assert "[default: (no limit); x>=0]" in tenants
+
+
+def _commands(
+    command: click.Command, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], click.Command]]:
+    if isinstance(command, click.Group):
+        out = [(path, command)]
+        for name, sub in command.commands.items():
+            out += _commands(sub, (*path, name))
+        return out
+    return [(path, command)]
+
+
+@pytest.mark.parametrize("columns", ["60", "80", "100"])
+def test_help_keeps_every_option_name_whole_and_no_stray_spaces(columns: str) -> None:
+    for path, command in _commands(typer.main.get_command(app)):
+        result = runner.invoke(app, [*path, "-h"], env={"COLUMNS": columns})
+        assert result.exit_code == 0, (path, result.output)
+        for param in command.params:
+            for name in (*param.opts, *param.secondary_opts):
+                if name.startswith("-"):
+                    assert name in result.output, (path, name, result.output)
+        for stray in (" .", " ,", " ;", " :"):
+            assert stray not in result.output, (path, stray, result.output)
+
+
+def test_prices_list_says_when_it_is_empty_and_shows_the_discount_in_percent(
+    tmp_path: Path,
+) -> None:
+    data = ["--data-dir", str(tmp_path)]
+    empty = runner.invoke(app, ["prices", "list", *data])
+    assert empty.exit_code == 0, empty.output
+    assert empty.output.startswith("no prices set") and "sluice prices set" in empty.output
+    price = ["--input", "0.15", "--cached-input", "0.075", "--output", "0.6"]
+    result = runner.invoke(app, ["prices", "set", "m", *price, "--batch-discount", "0.5", *data])
+    assert result.exit_code == 0, result.output
+    assert "batch discount 50%" in result.output
+    runner.invoke(app, ["prices", "set", "n", *price, "--batch-discount", "0.125", *data])
+    lines = runner.invoke(app, ["prices", "list", *data]).output.splitlines()
+    assert [line.split()[0] for line in lines] == ["m", "n"]
+    assert lines[0].endswith("batch    50% off") and lines[1].endswith("batch  12.5% off")
+
+
+def test_doctor_reports_a_missing_data_dir_and_leaves_it_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("SLUICE_REDIS_URL", "SLUICE_KAFKA_BOOTSTRAP", "SLUICE_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    missing = tmp_path / "not" / "here"
+    result = runner.invoke(app, ["doctor", "--json", "--data-dir", str(missing)])
+    checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
+    assert checks["data dir"]["detail"] == f"{missing} does not exist yet (created on first use)"
+    assert not (tmp_path / "not").exists()

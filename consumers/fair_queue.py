@@ -1,4 +1,4 @@
-"""The engine worker's local admission buffer: priority-weighted lanes, tenant-fair within.
+"""The engine worker's fair queue: priority-weighted lanes, tenant-fair within.
 
 Sits between the Kafka poll (which adds requests, a micro-batch at a time) and the
 engine (which takes them one by one as capacity allows). Two levels:
@@ -134,7 +134,7 @@ class TenantQueues(Generic[T]):
         self._head_credited = False
 
 
-class AdmissionBuffer(Generic[T]):
+class FairQueue(Generic[T]):
     """Lanes (weighted, by urgency) of tenant queues (DRR); see the module docstring.
 
     lane_weights: lane name → weight, most urgent first. decay: how much of the

@@ -1,10 +1,10 @@
-"""The admission buffer: lanes by weight (interactive first, batch never starves), DRR."""
+"""The worker's fair queue: lanes by weight (interactive first, batch never starves), DRR."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumers.admission import AdmissionBuffer, TenantQueues
+from consumers.fair_queue import FairQueue, TenantQueues
 
 WEIGHTS = {"interactive": 16, "standard": 4, "batch": 1}
 
@@ -40,7 +40,7 @@ def test_drr_shares_tokens_not_requests() -> None:
 
 
 def test_interactive_goes_before_a_batch_backlog_and_batch_still_gets_its_share() -> None:
-    buffer: AdmissionBuffer[Item] = AdmissionBuffer(WEIGHTS, tenant_quantum=100)
+    buffer: FairQueue[Item] = FairQueue(WEIGHTS, tenant_quantum=100)
     for _ in range(100):
         buffer.push(Item("t", "batch"))
     assert buffer.pop() is not None  # batch was running alone
@@ -51,7 +51,7 @@ def test_interactive_goes_before_a_batch_backlog_and_batch_still_gets_its_share(
     # 16:1 weights: batch gets ~1/17 of admissions while both are backlogged
     assert 6 <= lanes.count("batch") <= 14
 
-    buffer = AdmissionBuffer(WEIGHTS, tenant_quantum=100)
+    buffer = FairQueue(WEIGHTS, tenant_quantum=100)
     for _ in range(100):
         buffer.push(Item("t", "standard"))
         buffer.push(Item("t", "batch"))
@@ -60,7 +60,7 @@ def test_interactive_goes_before_a_batch_backlog_and_batch_still_gets_its_share(
 
 
 def test_a_lane_arriving_beside_a_busy_one_gets_a_bounded_burst_then_its_share() -> None:
-    buffer: AdmissionBuffer[Item] = AdmissionBuffer(WEIGHTS, tenant_quantum=100)
+    buffer: FairQueue[Item] = FairQueue(WEIGHTS, tenant_quantum=100)
     for _ in range(50):
         buffer.push(Item("t", "interactive"))
     for _ in range(50):
@@ -74,7 +74,7 @@ def test_a_lane_arriving_beside_a_busy_one_gets_a_bounded_burst_then_its_share()
 
 
 def test_remove_keeps_counts_and_rotation_consistent() -> None:
-    buffer: AdmissionBuffer[Item] = AdmissionBuffer(WEIGHTS, tenant_quantum=100)
+    buffer: FairQueue[Item] = FairQueue(WEIGHTS, tenant_quantum=100)
     items = [Item(f"t{i % 3}", "standard") for i in range(9)]
     for item in items:
         buffer.push(item)

@@ -1,0 +1,319 @@
+"""The batches collector: the engine's deltas for batch lines → finished lines in the store.
+
+Batch lines answer to the reply target `batches` (`sluice.tokens.batches.v1`), read by
+one consumer group, so what the engine sent outlives any batches process: a partition's
+offset is committed only below the first record of a line not yet stored, and a
+restarted collector reads those lines' deltas again (docs/architecture.md §14).
+
+Per line the collector keeps one `Track` per sub-request and a `Generation`, the same
+bookkeeping the gateway keeps for a client: a lower attempt's deltas are fenced,
+redelivered ones dropped, and a resumed attempt's overlap cut by absolute offsets. A
+line is stored once (`BatchStore.finish_lines` ignores a line already done), so a
+redelivered answer or a resumed attempt changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from api.errors import RequestCancelled
+from api.generation import Generation, Track, accept
+from api.served import ServedModel
+from billing.batch_store import BatchInfo, BatchStore, LineInfo, LineOutcome
+from billing.errors import StoreUnavailable
+from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
+from bus.codec import decode_as
+from bus.errors import BusError
+from bus.messages import TokenDelta, TokenDeltaBatch
+from bus.topics import reply_topic
+from consumers.batches.lines import (
+    BATCH_REPLY_TARGET,
+    answer_body,
+    line_call_id,
+    line_request_id,
+    output_line,
+    parse_request_id,
+    refused_line,
+    run_error,
+    unrun_line,
+)
+from consumers.batches.runner import CANCELLED_MESSAGE, EXPIRED_MESSAGE
+from tracing.metrics import ACTIVE_BATCH_STATUSES, count_batch_lines, set_batch_counts
+
+logger = logging.getLogger(__name__)
+
+GROUP = "batches"
+LineKey = tuple[str, int]  # (batch_id, line)
+
+
+class _NoCancel:
+    """A line's `Generation` never cancels on its own: cancels come from the batch."""
+
+    def cancel(self, generation: Generation, reason: str = "") -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Line:
+    info: LineInfo
+    tracks: list[Track]
+    generation: Generation
+    first_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.tracks)
+
+
+def _ensure_topic(bus: EventBus) -> None:
+    """The engine keys a reply target's deltas by target, so one partition serves; a
+    topic that already exists with more is read as it is."""
+    try:
+        bus.create_topics([TopicSpec(reply_topic(BATCH_REPLY_TARGET), 1)])
+    except BusError as exc:
+        logger.info("batch reply topic left as it is: %s", exc)
+
+
+class BatchCollector:
+    def __init__(
+        self,
+        bus: EventBus,
+        store: BatchStore,
+        models: Sequence[ServedModel],
+        on_batch_done: Callable[[str], None],
+        *,
+        poll_timeout_s: float = 0.2,
+        flush_interval_s: float = 0.2,
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.models = {m.name: m for m in models}
+        self.on_batch_done = on_batch_done
+        self.poll_timeout_s = poll_timeout_s
+        self.flush_interval_s = flush_interval_s
+        self.lines_stored = 0
+        self._stopping = threading.Event()
+        self._lines: dict[LineKey, _Line] = {}
+        self._finished: list[tuple[_Line, LineOutcome]] = []
+        self._done: OrderedDict[LineKey, None] = OrderedDict()  # stored lines, recent first out
+        self._positions: dict[TopicPartition, int] = {}
+        self._batches: dict[str, BatchInfo] = {}
+        self._counted_at = 0.0  # when `sluice_batches` was last refreshed
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        consumer: Consumer | None = None
+        flushed_at = time.monotonic()
+        committed: dict[TopicPartition, int] = {}
+        while not self._stopping.is_set():
+            try:
+                if consumer is None:
+                    _ensure_topic(self.bus)
+                    consumer = self.bus.consumer(
+                        GROUP,
+                        [reply_topic(BATCH_REPLY_TARGET)],
+                        offset_reset="earliest",
+                        on_revoke=self._on_revoke,
+                    )
+                records = consumer.poll(self.poll_timeout_s)
+                for record in records:
+                    self._positions[record.tp] = record.offset + 1
+                    try:
+                        batch = decode_as(TokenDeltaBatch, record.value)
+                    except BusError as exc:
+                        logger.warning(
+                            "undecodable batch reply at offset %s: %s", record.offset, exc
+                        )
+                        continue
+                    self._take(record.tp, record.offset, batch.deltas)
+                if time.monotonic() - flushed_at >= self.flush_interval_s:
+                    if self._finished:
+                        self._flush()
+                    positions = self._commit_positions()
+                    if positions != committed:
+                        consumer.commit(positions, wait=False)
+                        committed = positions
+                    flushed_at = time.monotonic()
+                    self._count_batches(flushed_at)
+            except (BusError, StoreUnavailable) as exc:
+                logger.warning("batches collector: %s; retrying", exc)
+                self._stopping.wait(1.0)
+        if consumer is not None:
+            try:
+                if self._finished:
+                    self._flush()
+                consumer.commit(self._commit_positions(), wait=True)
+                consumer.close()
+            except (BusError, StoreUnavailable) as exc:
+                logger.warning("batches collector close: %s", exc)
+
+    def _on_revoke(self, partitions: set[TopicPartition]) -> None:
+        # another member reads these from their committed offsets: forget them here
+        for key, line in list(self._lines.items()):
+            if set(line.first_offsets) & partitions:
+                del self._lines[key]
+        for tp in partitions:
+            self._positions.pop(tp, None)
+
+    # -- deltas --------------------------------------------------------------------
+    def _take(self, tp: TopicPartition, offset: int, deltas: Sequence[TokenDelta]) -> None:
+        wanted: dict[str, set[int]] = {}
+        parsed = []
+        for delta in deltas:
+            ids = parse_request_id(delta.request_id)
+            if ids is None or (ids[0], ids[1]) in self._done:
+                continue
+            parsed.append((ids, delta))
+            if (ids[0], ids[1]) not in self._lines:
+                wanted.setdefault(ids[0], set()).add(ids[1])
+        for batch_id, lines in wanted.items():
+            self._load(batch_id, lines)
+        for (batch_id, line_no, index), delta in parsed:
+            line = self._lines.get((batch_id, line_no))
+            if line is None or index >= len(line.tracks):
+                continue
+            line.first_offsets.setdefault(tp, offset)
+            track = line.tracks[index]
+            if track.done or not accept(track, delta):
+                continue
+            line.generation.take(track, delta)
+            if line.done:
+                del self._lines[(batch_id, line_no)]
+                # its later deltas (redelivered, a fenced attempt's) are dropped from now
+                # on: reloaded before the flush, they made a line that never finished and
+                # held the partition's commits back
+                self._mark_done((batch_id, line_no))
+                self._finished.append((line, self._outcome(line)))
+
+    def _load(self, batch_id: str, lines: set[int]) -> None:
+        infos = self.store.get_lines(batch_id, lines)
+        for line_no in lines:
+            info = infos.get(line_no)
+            if info is None or info.state == "done":
+                self._mark_done((batch_id, line_no))  # a late or foreign delta: nothing to do
+                continue
+            tracks = [
+                Track(index=i, request_id=line_request_id(batch_id, line_no, i))
+                for i in range(info.requests)
+            ]
+            generation = Generation(tracks, tenant_id="", wait_until=None, service=_NoCancel())
+            self._lines[(batch_id, line_no)] = _Line(info, tracks, generation)
+
+    def _outcome(self, line: _Line) -> LineOutcome:
+        info = line.info
+        results = line.generation.results()
+        completion = sum(t.num_tokens for t in line.tracks)
+        cached = sum(t.cached_tokens for t in line.tracks)
+        used = {"prompt_tokens": info.prompt_tokens, "cached_tokens": cached}
+        used["completion_tokens"] = completion
+        request_id = line.tracks[0].request_id
+        finishes = {r.finish_reason for r in results}
+        if "abort" in finishes or "deadline" in finishes:
+            batch = self._batch(info.batch_id, fresh=True)
+            if "deadline" in finishes or (batch is not None and batch.expired_at is not None):
+                result = unrun_line(info.custom_id, "batch_expired", EXPIRED_MESSAGE)
+                return LineOutcome(info.line, False, result, **used)
+            if batch is not None and batch.status == "cancelling":
+                result = unrun_line(info.custom_id, "batch_cancelled", CANCELLED_MESSAGE)
+                return LineOutcome(info.line, False, result, **used)
+            return LineOutcome(
+                info.line,
+                False,
+                refused_line(info.custom_id, request_id, RequestCancelled()),
+                **used,
+            )
+        error = run_error(results)
+        if error is not None:
+            return LineOutcome(
+                info.line, False, refused_line(info.custom_id, request_id, error), **used
+            )
+        body = json.loads(info.body)
+        batch = self._batch(info.batch_id)
+        endpoint = batch.endpoint if batch is not None else "/v1/chat/completions"
+        answer = answer_body(
+            endpoint,
+            body,
+            self.models[body["model"]],
+            line_call_id(info.batch_id, info.line),
+            results,
+            info.prompt_tokens,
+            cached,
+            line.generation.created,
+        )
+        return LineOutcome(
+            info.line, True, output_line(info.custom_id, request_id, 200, answer), **used
+        )
+
+    def _batch(self, batch_id: str, *, fresh: bool = False) -> BatchInfo | None:
+        """The batch, read at most once per flush; `fresh` reads its status again (a
+        cancel or an expiry may have moved it) unless it is already past running."""
+        batch = self._batches.get(batch_id)
+        if batch is None or (fresh and batch.status in ("in_progress", "validating")):
+            batch = self.store.get_batch(batch_id)
+            if batch is not None:
+                self._batches[batch_id] = batch
+        return batch
+
+    # -- storing -------------------------------------------------------------------
+    def _flush(self) -> None:
+        by_batch: dict[str, list[LineOutcome]] = {}
+        for line, outcome in self._finished:
+            by_batch.setdefault(line.info.batch_id, []).append(outcome)
+        for batch_id, outcomes in by_batch.items():
+            stored = self.store.finish_lines(batch_id, outcomes)
+            self.lines_stored += stored
+            # lines stored before (a redelivery) are skipped; which of these they were is
+            # not told, so the completed ones count first
+            completed = min(stored, sum(o.ok for o in outcomes))
+            count_batch_lines(completed, stored - completed)
+        for line, _ in self._finished:
+            self._mark_done((line.info.batch_id, line.info.line))
+        self._finished.clear()
+        for batch_id in by_batch:
+            self._batches.pop(batch_id, None)
+            if self.store.unfinished(batch_id) == 0:
+                try:
+                    self.on_batch_done(batch_id)
+                except Exception:  # the sweep finalizes it later
+                    logger.exception("finalizing batch %s could not be started", batch_id)
+
+    def _count_batches(self, now: float, interval_s: float = 5.0) -> None:
+        """Refresh `sluice_batches{status}` at most every `interval_s` (one query)."""
+        if now - self._counted_at < interval_s:
+            return
+        self._counted_at = now
+        try:
+            batches = self.store.batches_with_status(ACTIVE_BATCH_STATUSES)
+        except StoreUnavailable as exc:
+            logger.debug("batch counts not refreshed: %s", exc)
+            return
+        counts: dict[str, int] = {}
+        for batch in batches:
+            counts[batch.status] = counts.get(batch.status, 0) + 1
+        set_batch_counts(counts)
+
+    def _mark_done(self, key: LineKey) -> None:
+        self._done[key] = None
+        if len(self._done) > 200_000:
+            self._done.popitem(last=False)
+
+    def _commit_positions(self) -> dict[TopicPartition, int]:
+        """Each partition up to the first record of a line not yet stored."""
+        positions = dict(self._positions)
+        for line in self._lines.values():
+            for tp, offset in line.first_offsets.items():
+                if tp in positions:
+                    positions[tp] = min(positions[tp], offset)
+        for line, _ in self._finished:
+            for tp, offset in line.first_offsets.items():
+                if tp in positions:
+                    positions[tp] = min(positions[tp], offset)
+        return positions

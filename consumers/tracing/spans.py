@@ -1,0 +1,142 @@
+"""One attempt's engine-side spans, built from its `TelemetryRecord` after the fact.
+
+The engine worker's hot path creates no spans: it publishes one `TelemetryRecord` per
+attempt, with the request record's trace context in its headers, and this module turns
+it into spans with explicit start and end times (unix ms → ns):
+
+    process sluice.requests.<lane>.v1   CONSUMER  queued → finished
+      queue                             gateway built the request → a worker polled it
+      admission                         polled → submitted to the engine (fair queue,
+                                        the attempt begun in the progress store)
+      chat <model>                      INTERNAL  submitted → finished (GenAI attributes)
+        prefill                         submitted → first token (engine queue + prefill)
+        decode                          first token → finished
+
+`process` is parented to the gateway's `send` span (the context in the headers) rather
+than linked to it, as the messaging conventions allow: a request/response pipeline reads
+best as one trace per request, and a failover's second attempt is a second `process`
+subtree in that trace (`sluice.attempt`). An attempt whose worker died is known only
+from its estimate (`TelemetryRecord.estimated`): its `process` and inference spans run
+from the request's creation to its resumption, with no children.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import baggage, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from bus.messages import TelemetryRecord
+from bus.topics import request_topic
+from tracing import spans as names
+from tracing.propagation import Headers, extract_context
+
+# the baggage entry the gateway sets per route (chat or text_completion); a request
+# without it (a batch line, an older gateway) is a completion over token ids
+OPERATION_BAGGAGE = names.GEN_AI_OPERATION
+DEFAULT_OPERATION = "text_completion"
+
+
+def _ns(ms: int) -> int:
+    return ms * 1_000_000
+
+
+def emit_attempt_spans(
+    record: TelemetryRecord, headers: Headers, tracer: trace.Tracer | None = None
+) -> None:
+    """Build and end the spans of one attempt, parented to the context in `headers`."""
+    tracer = tracer or names.tracer()
+    parent = extract_context(headers)
+    t = record.timings
+    topic = request_topic(record.lane)
+    # no consumer group attribute: the record does not say which group (it is configurable)
+    attrs = names.kafka_attributes("process", topic, key=record.tenant_id)
+    attrs.update(_sluice_attributes(record))
+    process = tracer.start_span(
+        names.process_span_name(topic),
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attrs,
+        start_time=_ns(t.queued_ms),
+    )
+    inside = trace.set_span_in_context(process, parent)
+    if not record.estimated:
+        _child(tracer, inside, names.QUEUE_SPAN, t.queued_ms, t.received_ms)
+        admitted = None if t.admitted_ms is None else ("admitted", t.admitted_ms)
+        _child(tracer, inside, names.ADMISSION_SPAN, t.received_ms, t.scheduled_ms, admitted)
+    if t.scheduled_ms is not None or record.estimated:
+        _inference(tracer, inside, parent, record)
+    process.end(end_time=_ns(t.finished_ms))
+
+
+def _sluice_attributes(record: TelemetryRecord) -> dict[str, AttributeValue]:
+    return names.without_none(
+        {
+            names.REQUEST_ID: record.request_id,
+            names.TENANT_ID: record.tenant_id,
+            names.LANE: record.lane.value,
+            names.ATTEMPT: record.attempt,
+            names.BATCH_ID: record.batch_id,
+            names.WORKER_ID: record.worker_id,
+            names.ESTIMATED: record.estimated or None,
+        }
+    )
+
+
+def _child(
+    tracer: trace.Tracer,
+    parent: Context,
+    name: str,
+    start_ms: int | None,
+    end_ms: int | None,
+    event: tuple[str, int] | None = None,
+) -> None:
+    """A child span over [start, end], with an event at a time inside it; none when
+    either end is unknown (a request answered before it ran, or before its first token)."""
+    if start_ms is None or end_ms is None:
+        return
+    span = tracer.start_span(name, context=parent, start_time=_ns(start_ms))
+    if event is not None:
+        span.add_event(event[0], timestamp=_ns(event[1]))
+    span.end(end_time=_ns(max(start_ms, end_ms)))
+
+
+def _inference(
+    tracer: trace.Tracer, inside: Context, parent: Context, record: TelemetryRecord
+) -> None:
+    t = record.timings
+    operation = baggage.get_baggage(OPERATION_BAGGAGE, parent) or DEFAULT_OPERATION
+    attrs = names.without_none(
+        {
+            names.GEN_AI_OPERATION: str(operation),
+            names.GEN_AI_PROVIDER: names.PROVIDER,
+            names.GEN_AI_REQUEST_MODEL: record.model,
+            names.GEN_AI_REQUEST_MAX_TOKENS: record.max_tokens,
+            names.GEN_AI_RESPONSE_ID: record.request_id,
+            names.GEN_AI_FINISH_REASONS: [record.finish_reason] if record.finish_reason else None,
+        }
+    )
+    attrs.update(
+        names.usage_attributes(
+            record.num_prompt_tokens, record.num_output_tokens, record.num_cached_tokens
+        )
+    )
+    attrs.update(_sluice_attributes(record))
+    start_ms = t.queued_ms if t.scheduled_ms is None else t.scheduled_ms
+    span = tracer.start_span(
+        names.inference_span_name(str(operation), record.model),
+        context=inside,
+        kind=SpanKind.INTERNAL,
+        attributes=attrs,
+        start_time=_ns(start_ms),
+    )
+    if record.finish_reason == "error":
+        span.set_status(Status(StatusCode.ERROR, "the engine failed the request"))
+        span.set_attribute("error.type", "engine_error")
+    if not record.estimated:
+        inner = trace.set_span_in_context(span, inside)
+        first = t.first_token_ms
+        _child(tracer, inner, names.PREFILL_SPAN, t.scheduled_ms, first)
+        _child(tracer, inner, names.DECODE_SPAN, first, t.finished_ms)
+    span.end(end_time=_ns(max(start_ms, t.finished_ms)))

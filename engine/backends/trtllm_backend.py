@@ -1,0 +1,538 @@
+"""`TrtllmEngineBackend`: NVIDIA TensorRT-LLM's LLM API (PyTorch flow) behind `EngineBackend`.
+
+Where the pipeline meets TensorRT-LLM (SLUICE_BACKEND=trtllm). The only module that
+imports `tensorrt_llm`, lazily in `load()`, so the rest of Sluice installs and runs
+without it. The signatures used are recorded, with the source version read, in
+`trtllm_api.txt` beside this file; the tests run this backend on a stand-in with exactly
+that surface.
+
+Each submitted request becomes an asyncio task, on the loop that reads `deltas()`, that
+iterates `LLM.generate_async(prompt_token_ids, SamplingParams, streaming=True,
+cache_salt=<tenant salt>, priority=<lane in [0, 1]>)`: one `RequestOutput` per engine
+step, whose `outputs[0].token_ids_diff` and new text become the request's delta and
+whose `finish_reason` its terminal one. The runtime cuts a stop string out of the text
+only once it is complete, so text that could be the start of one is held back until the
+next step shows it is not. Deltas that arrive in one pass of the loop go out as one
+batch. `abort` ends the request at once (terminal 'abort') and cancels the task, which
+calls `RequestOutput.abort()` on its way out, as it does whenever the stream stops early.
+A deadline is an asyncio timeout around the stream. An error of one request
+(`RequestError`, ValueError, TypeError) ends that request with 'error'; anything else
+raised by the runtime means the engine died: every in-flight request ends with a
+retryable 'error', `health()` turns False, `submit` raises EngineDeadError and
+`deltas()` ends. At `shutdown`, in-flight requests end with 'abort'.
+
+`stats()` reads the runtime's iteration statistics (`LLM.get_stats_async`, read from each
+request's first step: active and queued requests, KV blocks in use); before the first of
+them, or when the runtime gives none, it falls back to its own in-flight count.
+
+Not handled: a failover resume (`num_resumed_tokens`) detokenizes afresh at the boundary,
+so a character split across it is not joined; a dead engine is not restarted here (not a
+`RestartableBackend`: the worker's process is replaced instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    TokenLogprob,
+    call_on_loop,
+    check_request,
+    queued_batches,
+    terminal_delta,
+)
+from engine.sampling import generator_seed
+
+__all__ = ["TrtllmEngineBackend"]
+
+logger = logging.getLogger(__name__)
+
+# CompletionOutput.finish_reason (tensorrt_llm/executor/result.py) -> ours
+_FINISH: dict[str | None, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "timeout": "deadline",
+    "cancelled": "abort",
+}
+# raised for one request, the engine still serving the others
+_REQUEST_ERRORS = ("RequestError", "ValueError", "TypeError")
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request in flight: its task, the runtime's stream and what went out so far."""
+
+    request: EngineRequest
+    task: asyncio.Task[None] | None = None
+    output: Any = None  # tensorrt_llm RequestOutput, once generate_async returned
+    num_output: int = 0
+    num_cached: int = 0
+    num_text_sent: int = 0  # characters of the runtime's text already in deltas
+    prefilled: bool = False
+    done: bool = False
+
+
+class TrtllmEngineBackend:
+    """TensorRT-LLM's `LLM` on a Hugging Face model directory; see the module docstring.
+
+    max_model_len: prompt + output tokens (the runtime's max_seq_len); max_num_seqs and
+    max_num_batched_tokens: its max_batch_size and max_num_tokens. vocab_size: the ids
+    `submit` accepts. kv_cache_fraction: the free GPU memory the KV cache takes
+    (KvCacheConfig.free_gpu_memory_fraction); enable_block_reuse: prefix caching.
+    stats_interval_s: how long a read of the runtime's statistics waits for the next
+    iteration's before it stops (until the next request starts).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_model_len: int,
+        vocab_size: int | None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_fraction: float = 0.9,
+        enable_block_reuse: bool = True,
+        stats_interval_s: float = 2.0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_fraction = kv_cache_fraction
+        self.enable_block_reuse = enable_block_reuse
+        self.stats_interval_s = stats_interval_s
+        self.llm: Any = None
+        self._sampling_params: Any = None  # tensorrt_llm.SamplingParams, once loaded
+        self._request_kwargs: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+        self._pending: dict[str, EngineRequest] = {}  # submitted, not yet on the loop
+        self._live: dict[str, _Live] = {}
+        self._batch: dict[str, EngineDelta] = {}  # the deltas of this pass of the loop
+        self._flush_scheduled = False
+        self._stopping = False
+        self._closed = False
+        self._llm_closed = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._stats_wake: asyncio.Event | None = None
+        self._done = threading.Event()
+        self._runtime: dict[str, Any] | None = None  # the latest iteration statistics
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+        self._num_generated_tokens = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, **kwargs: Any) -> TrtllmEngineBackend:
+        """A backend whose vocab_size comes from the checkpoint's config.json; loads it."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        backend = cls(model_dir, vocab_size=config.get("vocab_size"), **kwargs)
+        backend.load()
+        return backend
+
+    # -- lifecycle -------------------------------------------------------------------
+    def load(self) -> None:
+        """Build the runtime (blocks while TensorRT-LLM loads the weights); once."""
+        if self.llm is not None:
+            return
+        from tensorrt_llm import LLM, SamplingParams
+        from tensorrt_llm.llmapi import KvCacheConfig
+
+        self.llm = LLM(
+            model=str(self.model_dir),
+            backend="pytorch",
+            max_batch_size=self.max_num_seqs,
+            max_num_tokens=self.max_num_batched_tokens,
+            max_seq_len=self.max_model_len,
+            kv_cache_config=KvCacheConfig(
+                enable_block_reuse=self.enable_block_reuse,
+                free_gpu_memory_fraction=self.kv_cache_fraction,
+            ),
+            enable_iter_perf_stats=True,  # else get_stats_async yields nothing
+        )
+        self._sampling_params = SamplingParams
+        # priority arrived after cache_salt; pass each only where the installed version has it
+        accepted = inspect.signature(self.llm.generate_async).parameters
+        self._request_kwargs = frozenset({"cache_salt", "priority"} & set(accepted))
+        missing = {"cache_salt", "priority"} - self._request_kwargs
+        if missing:
+            logger.warning("tensorrt_llm's generate_async lacks %s: not passed", sorted(missing))
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._loop is not None:
+            raise RuntimeError("engine already started")
+        self.load()
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        call_on_loop(self._loop, self._begin)
+
+    def _begin(self) -> None:
+        assert self._loop is not None
+        self._loop_thread = threading.get_ident()
+        self._stats_wake = asyncio.Event()
+        self._stats_task = self._loop.create_task(self._poll_stats(), name="sluice-trtllm-stats")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        loop = self._loop
+        if loop is not None and not self._done.is_set():
+            if threading.get_ident() == self._loop_thread:
+                self._end("abort", "engine shut down")
+            else:
+                try:
+                    loop.call_soon_threadsafe(self._end, "abort", "engine shut down")
+                except RuntimeError:  # the loop is closed: nobody reads deltas any more
+                    self._end("abort", "engine shut down")
+                if not self._done.wait(timeout_s):
+                    logger.warning("trtllm engine did not stop within %.1fs", timeout_s)
+        self._close_llm()
+
+    def _close_llm(self) -> None:
+        with self._lock:
+            llm, closed, self._llm_closed = self.llm, self._llm_closed, True
+        if llm is not None and not closed:
+            try:
+                llm.shutdown()
+            except Exception:
+                logger.exception("tensorrt_llm LLM.shutdown failed")
+
+    def health(self) -> bool:
+        return (
+            self._loop is not None
+            and self.llm is not None
+            and not self._closed
+            and not self._stopping
+            and self._error is None
+        )
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine, if it died."""
+        return self._error
+
+    # -- requests in -----------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        check_request(request, self.max_model_len, self.vocab_size)
+        with self._lock:
+            loop = self._loop
+            if loop is None or self._closed or self._stopping:
+                raise EngineDeadError("engine is not running") from self._error
+            self._pending.setdefault(request.request_id, request)
+        loop.call_soon_threadsafe(self._add, request)
+
+    def abort(self, request_id: str) -> None:
+        loop = self._loop
+        if loop is None or self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to abort
+            loop.call_soon_threadsafe(self._abort, request_id)
+
+    def _add(self, request: EngineRequest) -> None:
+        with self._lock:
+            if self._pending.get(request.request_id) is request:
+                del self._pending[request.request_id]
+            if self._closed:
+                return  # `_end` answered it from `_pending`
+        if request.request_id in self._live:
+            # at-least-once delivery can hand us a request twice: keep the first
+            logger.warning("request_id=%s submitted twice; ignored", request.request_id)
+            return
+        live = _Live(request)
+        self._live[request.request_id] = live
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            self._finish(live, "deadline")
+            return
+        assert self._loop is not None
+        live.task = self._loop.create_task(self._serve(live), name=f"trtllm-{request.request_id}")
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        self._finish(live, "abort")
+        if live.task is not None:
+            live.task.cancel()
+
+    # -- one request -----------------------------------------------------------------
+    async def _serve(self, live: _Live) -> None:
+        request = live.request
+        output = None
+        try:
+            output = self.llm.generate_async(
+                request.prompt_token_ids,
+                sampling_params=self._to_sampling_params(request),
+                streaming=True,
+                **self._extra_kwargs(request),
+            )
+            live.output = output
+            async with asyncio.timeout_at(self._loop_deadline(request)):
+                async for result in output:
+                    if self._on_step(live, result):
+                        return
+            self._finish(live, "stop")  # the stream ended without a reason: treat as done
+        except TimeoutError:
+            self._finish(live, "deadline")
+        except asyncio.CancelledError:
+            raise  # aborted or shut down: the terminal delta already went out
+        except Exception as exc:
+            if type(exc).__name__ in _REQUEST_ERRORS:
+                logger.warning("request_id=%s failed in tensorrt_llm: %s", request.request_id, exc)
+                self._finish(live, "error", f"{type(exc).__name__}: {exc}")
+            else:
+                self._die(exc)
+        finally:
+            if output is not None and not output.finished:
+                try:
+                    output.abort()
+                except Exception:  # the runtime is gone already
+                    logger.debug("abort of request_id=%s failed", request.request_id)
+
+    def _on_step(self, live: _Live, result: Any) -> bool:
+        """One RequestOutput of the stream; True once the request finished."""
+        completion = result.outputs[0]
+        if not live.prefilled:
+            live.prefilled = True
+            live.num_cached = int(getattr(result, "cached_tokens", 0) or 0)
+            self._num_prompt_tokens += len(live.request.prompt_token_ids)
+            self._num_cached_tokens += live.num_cached
+            if self._stats_wake is not None:
+                self._stats_wake.set()  # the runtime steps, and reports it: read on
+        reason = None
+        if result.finished:
+            reason = _FINISH.get(completion.finish_reason, "stop")
+        token_ids = list(completion.token_ids_diff)
+        self._emit(
+            live,
+            token_ids,
+            self._new_text(live, completion.text, finished=reason is not None),
+            reason,
+            completion.stop_reason if reason == "stop" else None,
+            logprobs=self._logprobs(live, token_ids, completion),
+        )
+        return reason is not None
+
+    @staticmethod
+    def _logprobs(live: _Live, token_ids: list[int], completion: Any) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs: each a dict token id -> Logprob(logprob, rank), the
+        sampled token's and the top k, or a plain float where the flow gives only that."""
+        k = live.request.sampling_params.logprobs
+        if k is None or not token_ids:
+            return None
+        out = []
+        for token_id, entry in zip(token_ids, completion.logprobs_diff, strict=False):
+            if not isinstance(entry, dict):
+                out.append(TokenLogprob(token_id, float(entry)))
+                continue
+            sampled = entry.get(token_id)
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+            out.append(
+                TokenLogprob(
+                    token_id,
+                    float(sampled.logprob) if sampled is not None else float("-inf"),
+                    [(i, float(lp.logprob)) for i, lp in ranked[:k]],
+                )
+            )
+        return out
+
+    @staticmethod
+    def _new_text(live: _Live, text: str, *, finished: bool) -> str:
+        """The text not sent yet, less a tail that may grow into a stop string."""
+        end = len(text)
+        if not finished:
+            for stop in live.request.sampling_params.stop:
+                for size in range(min(len(stop) - 1, end), 0, -1):
+                    if text.endswith(stop[:size]):
+                        end = min(end, len(text) - size)
+                        break
+        if end <= live.num_text_sent:
+            return ""  # nothing new, or the runtime cut a stop string out of what we held
+        new, live.num_text_sent = text[live.num_text_sent : end], end
+        return new
+
+    def _to_sampling_params(self, request: EngineRequest) -> Any:
+        params = request.sampling_params
+        # the runtime stops at max_seq_len; ask no further, so the reason reads 'length'
+        room = self.max_model_len - len(request.prompt_token_ids)
+        kwargs: dict[str, Any] = {
+            "max_tokens": max(1, min(params.max_tokens, room)),
+            "seed": None if params.seed is None else generator_seed(params.seed),
+            "min_tokens": params.min_tokens or None,
+            # ours counts the alternatives (0: the sampled token's only); at least one asked
+            "logprobs": None if params.logprobs is None else max(1, params.logprobs),
+            "stop": list(params.stop) or None,
+            "stop_token_ids": list(params.stop_token_ids) or None,
+            "ignore_eos": params.ignore_eos,
+        }
+        if params.greedy:
+            kwargs["top_k"] = 1  # TensorRT-LLM takes temperature > 0 only: greedy is top-1
+        else:
+            kwargs.update(
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None
+            )
+        return self._sampling_params(**kwargs)
+
+    def _extra_kwargs(self, request: EngineRequest) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if "cache_salt" in self._request_kwargs and request.cache_salt is not None:
+            kwargs["cache_salt"] = request.cache_salt
+        if "priority" in self._request_kwargs:
+            # lanes are 0 (interactive), 1, 2 (batch), lower first; TensorRT-LLM's
+            # priority is a float in [0, 1], higher first, 0.5 by default
+            kwargs["priority"] = min(1.0, max(0.0, 1.0 - 0.5 * request.priority))
+        return kwargs
+
+    def _loop_deadline(self, request: EngineRequest) -> float | None:
+        if request.deadline is None:
+            return None
+        assert self._loop is not None
+        return self._loop.time() + (request.deadline - time.monotonic())
+
+    # -- deltas out ------------------------------------------------------------------
+    def _emit(
+        self,
+        live: _Live,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+        retryable: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        """Add to this pass's delta of the request; the terminal one carries the usage."""
+        if live.done:
+            return
+        request_id = live.request.request_id
+        live.num_output += len(token_ids)
+        self._num_generated_tokens += len(token_ids)
+        delta = self._batch.get(request_id)
+        if delta is None:
+            delta = self._batch[request_id] = EngineDelta(request_id)
+        delta.token_ids.extend(token_ids)
+        delta.text += text
+        if logprobs is not None:
+            delta.logprobs = (delta.logprobs or []) + logprobs
+        if reason is not None:
+            live.done = True
+            self._live.pop(request_id, None)
+            delta.finish_reason, delta.stop_reason = reason, stop_reason
+            delta.error, delta.retryable = error, retryable
+            delta.num_prompt_tokens = len(live.request.prompt_token_ids)
+            delta.num_cached_tokens = live.num_cached
+            delta.num_output_tokens = live.num_output
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _finish(
+        self, live: _Live, reason: FinishReason, error: str | None = None, retryable: bool = False
+    ) -> None:
+        self._emit(live, [], "", reason, error=error, retryable=retryable)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._batch and self._queue is not None:
+            batch, self._batch = list(self._batch.values()), {}
+            self._queue.put_nowait(batch)
+
+    def deltas(self) -> AsyncIterator[list[EngineDelta]]:
+        return queued_batches(self._queue)
+
+    def _die(self, exc: BaseException) -> None:
+        if self._error is None:
+            logger.error("tensorrt_llm engine died: %s: %s", type(exc).__name__, exc)
+            self._error = exc
+        self._end("error", f"engine failed: {type(exc).__name__}: {exc}")
+
+    def _end(self, reason: FinishReason, message: str) -> None:
+        """End every in-flight and pending request, then `deltas()` (once, on the loop
+        or with the loop closed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending = list(self._pending.values()), {}
+        error = message if reason == "error" else None
+        died = error is not None  # the engine died under these requests: they may run again
+        for live in list(self._live.values()):
+            self._finish(live, reason, error, died)
+            if live.task is not None:
+                live.task.cancel()
+        for request in pending:
+            if request.request_id not in self._batch:
+                self._batch[request.request_id] = terminal_delta(request, reason, error, died)
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        self._flush()
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+        self._done.set()
+        logger.info("trtllm engine stopped: %s", message)
+
+    # -- stats -----------------------------------------------------------------------
+    async def _poll_stats(self) -> None:
+        """Keep the latest iteration statistics while requests run.
+
+        The runtime's statistics stream ends after `timeout` without a new iteration and
+        stays ended until a submit re-opens it, so it is read from each request's first
+        step (a submit just re-opened it, and iterations are coming) until it ends."""
+        wake = self._stats_wake
+        assert wake is not None
+        while True:
+            await wake.wait()
+            wake.clear()
+            try:
+                async for stats in self.llm.get_stats_async(timeout=self.stats_interval_s):
+                    self._runtime = stats
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("tensorrt_llm statistics unavailable; counting in flight")
+                return
+
+    def stats(self) -> EngineStats:
+        runtime = self._runtime or {}
+        kv = runtime.get("kvCacheStats") or {}
+        num_blocks = int(kv.get("maxNumBlocks", 0))
+        in_flight = len(self._live)
+        if in_flight == 0:  # what the runtime said last is stale once nothing runs
+            waiting = running = 0
+            kv_usage = 0.0
+        elif runtime:
+            paused = (runtime.get("inflightBatchingStats") or {}).get("numPausedRequests", 0)
+            waiting = int(runtime.get("numQueuedRequests", 0)) + int(paused)
+            running = int(runtime.get("numActiveRequests", 0))
+            kv_usage = int(kv.get("usedNumBlocks", 0)) / num_blocks if num_blocks else 0.0
+        else:
+            waiting, running, kv_usage = 0, in_flight, 0.0
+        return EngineStats(
+            num_waiting=waiting,
+            num_running=running,
+            num_pending=len(self._pending),
+            kv_usage=kv_usage,
+            num_kv_blocks=num_blocks,
+            num_steps=int(runtime["iter"]) + 1 if "iter" in runtime else 0,  # iter counts from 0
+            num_generated_tokens=self._num_generated_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_cached_tokens=self._num_cached_tokens,
+        )

@@ -1,0 +1,565 @@
+"""`UpstreamEngineBackend`: OpenAI-compatible engine servers behind `EngineBackend`.
+
+Where the pipeline meets an engine someone else runs (SLUICE_BACKEND=upstream): vLLM,
+trtllm-serve, SGLang, llama.cpp's server, or another `sluice serve`. Each submitted
+request becomes one streaming `POST {url}/v1/completions` with the token-id prompt and
+`return_token_ids` (vLLM's name; `sluice serve` takes it too), served by an asyncio task
+on the loop that reads `deltas()`. Each streamed chunk becomes one `EngineDelta` with the
+chunk's text and token ids; the terminal delta carries the usage of the final chunk.
+
+Several upstreams: a request goes to the healthy one with the fewest requests in flight.
+An upstream that fails (connection refused, a 5xx, an error event, the stream cut mid-
+way) is taken out until its health path (`GET /health`) answers 200 again (a health task
+probes every upstream each `health_interval_s`), and the request resumes on another
+healthy upstream: the tokens received so far are appended to the prompt, so the client
+sees one uninterrupted output. A request that fails with no healthy upstream left kills
+the backend as a dead engine would (in-flight requests end with a retryable 'error',
+`health()` turns False, `deltas()` ends); `restart()` waits for an upstream to answer
+again, so the engine worker resumes them there as after an engine restart.
+
+abort closes the request's stream (its task is cancelled). The upstreams' KV caches are
+not visible from here: `stats().kv_usage` stays 0 and `num_kv_blocks` counts request
+slots (`max_num_seqs` per upstream); backpressure comes from the worker's in-flight cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    call_on_loop,
+    check_request,
+    queued_batches,
+    terminal_delta,
+)
+
+__all__ = ["UpstreamEngineBackend", "completion_body"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+# How an upstream hands back token ids. 'vllm' (vLLM, SGLang, sluice serve): with
+# `return_token_ids`, each streamed choice carries `token_ids` beside its text.
+# 'trtllm' (trtllm-serve): its requests forbid unknown fields and give token ids only
+# with `detokenize: false` (and then no text), so the text and stop strings are done here.
+Dialect = Literal["vllm", "trtllm"]
+
+
+class _UpstreamFailed(Exception):
+    """The upstream failed under the request (down, 5xx, cut stream): try another."""
+
+
+class _Rejected(Exception):
+    """The upstream refused the request itself (4xx): another would refuse it too."""
+
+
+@dataclass(slots=True)
+class _Upstream:
+    url: str
+    healthy: bool = True
+    num_in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _Live:
+    """One request in flight: what it has produced so far, across upstreams."""
+
+    request: EngineRequest
+    task: asyncio.Task[None] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    done: bool = False
+    detokenizer: Any = None  # the 'trtllm' dialect's: text and stop strings made here
+
+
+def completion_body(
+    model: str | None,
+    prompt: list[int],
+    request: EngineRequest,
+    num_generated: int,
+    dialect: Dialect = "vllm",
+) -> dict[str, Any]:
+    """The `/v1/completions` body for `request`, `num_generated` tokens into its output.
+
+    Sent: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens,
+    ignore_eos (vLLM, SGLang and `sluice serve` take them all; OpenAI-only servers ignore
+    the extras), cache_salt (vLLM's per-tenant prefix-cache salt). Dropped: logprobs
+    (the stream's logprobs are strings, not ids) and priority (vLLM refuses priorities
+    unless its scheduler runs the priority policy). The 'trtllm' dialect sends
+    `detokenize: false` instead of return_token_ids, and neither stop strings (matched
+    here, on text decoded here) nor cache_salt (not in its schema).
+    """
+    params = request.sampling_params
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": params.max_tokens - num_generated,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if dialect == "trtllm":
+        body["detokenize"] = False
+    else:
+        body["return_token_ids"] = True
+    if model is not None:
+        body["model"] = model
+    if params.top_k > 0:
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop and dialect != "trtllm":
+        body["stop"] = params.stop
+    if params.stop_token_ids:
+        body["stop_token_ids"] = params.stop_token_ids
+    if params.min_tokens > num_generated:
+        body["min_tokens"] = params.min_tokens - num_generated
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if request.cache_salt and dialect != "trtllm":
+        body["cache_salt"] = request.cache_salt
+    return body
+
+
+class UpstreamEngineBackend:
+    """OpenAI-compatible servers as one engine; see the module docstring for the contract.
+
+    urls: the upstreams' base URLs (without `/v1`). model: the name to send (None: the
+    first of the upstream's `/v1/models`). max_model_len, vocab_size (default: the
+    tokenizer's): what `submit` checks locally (the served model's). max_resumes: how
+    many times one request moves to another upstream before it fails. transport: httpx's
+    (tests serve fake upstreams through it). dialect: see `Dialect`; 'trtllm' needs the
+    tokenizer. health_path: what answers 200 once the upstream can serve: `/health` on
+    vLLM, SGLang, trtllm-serve and llama.cpp; `/readyz` on `sluice serve` (its `/health`
+    answers while the model still loads).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        max_model_len: int = 2048,
+        tokenizer: Any = None,
+        vocab_size: int | None = None,
+        max_num_seqs: int = 64,
+        health_interval_s: float = 1.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 120.0,
+        restart_timeout_s: float = 30.0,
+        max_resumes: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+        dialect: Dialect = "vllm",
+        health_path: str = "/health",
+    ) -> None:
+        if not urls:
+            raise ValueError("the upstream backend needs at least one upstream URL")
+        self.upstreams = [_Upstream(url.rstrip("/")) for url in urls]
+        self.model = model
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer  # the served model's: the gateway's, in embedded mode
+        if vocab_size is None and tokenizer is not None:
+            vocab_size = tokenizer.vocab_size
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.health_interval_s = health_interval_s
+        self.restart_timeout_s = restart_timeout_s
+        self.max_resumes = max_resumes
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._probe_timeout_s = connect_timeout_s
+        self._transport = transport
+        if dialect == "trtllm" and tokenizer is None:
+            raise ValueError("the 'trtllm' dialect decodes text here: it needs the tokenizer")
+        self.dialect: Dialect = dialect
+        self.health_path = health_path
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._live: dict[str, _Live] = {}
+        self._closed = True  # not started, dead, or shut down
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._num_steps = 0
+        self._num_generated = 0
+        self._num_prompt = 0
+        self._num_cached = 0
+        self.num_resumes = 0  # requests moved to another upstream after one failed
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._loop is not None:
+            raise RuntimeError("engine already started")
+        self._open(loop or asyncio.get_running_loop())
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._queue = loop, asyncio.Queue()
+        self._done.clear()
+        with self._lock:
+            self._closed, self._error = False, None
+        call_on_loop(loop, self._begin)
+
+    def _begin(self) -> None:
+        assert self._loop is not None
+        self._loop_thread = threading.get_ident()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(
+            headers=self._headers, timeout=self._timeout, limits=limits, transport=self._transport
+        )
+        self._health_task = self._loop.create_task(self._probe_forever(), name="upstream-health")
+
+    def restart(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """After the backend died: wait (blocking) until an upstream answers its health path,
+        then serve again, `deltas()` read from `loop`."""
+        if self._stopping:
+            raise EngineDeadError("engine was shut down")
+        if not self._closed:
+            raise RuntimeError("restart() only after the engine died")
+        until = time.monotonic() + self.restart_timeout_s
+        while not self._probe_all_blocking():
+            if time.monotonic() >= until:
+                raise EngineDeadError(
+                    f"no upstream answered {self.health_path} within {self.restart_timeout_s:.0f}s"
+                )
+            time.sleep(min(0.5, self.health_interval_s))
+        self._open(loop or asyncio.get_running_loop())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            if self._closed:
+                return
+        loop = self._loop
+        assert loop is not None
+        if threading.get_ident() == self._loop_thread:
+            self._end("abort", None)
+            return
+        try:
+            loop.call_soon_threadsafe(self._end, "abort", None)
+        except RuntimeError:  # the loop is closed: nobody reads deltas any more
+            return
+        if not self._done.wait(timeout_s):
+            logger.warning("upstream backend did not stop within %.1fs", timeout_s)
+
+    def kill(self, error: BaseException) -> None:
+        """Lose every upstream at once, as if all failed now (tests; from any thread)."""
+        assert self._loop is not None
+        if threading.get_ident() == self._loop_thread:
+            self._die(error)
+        else:
+            self._loop.call_soon_threadsafe(self._die, error)
+
+    def health(self) -> bool:
+        return not self._closed and not self._stopping and any(u.healthy for u in self.upstreams)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the backend, if it died."""
+        return self._error
+
+    # -- requests in -----------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        check_request(request, self.max_model_len, self.vocab_size)
+        self._call(self._add, request, dead_error=True)
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._abort, request_id, dead_error=False)
+
+    def _call(self, method: Any, arg: Any, *, dead_error: bool) -> None:
+        """Run `method(arg)` on the loop, in call order, from any thread."""
+        with self._lock:
+            if self._closed or self._stopping:
+                if dead_error:
+                    raise EngineDeadError("engine is not running") from self._error
+                return
+        assert self._loop is not None
+        if threading.get_ident() == self._loop_thread:
+            method(arg)
+        else:
+            self._loop.call_soon_threadsafe(method, arg)
+
+    def _add(self, request: EngineRequest) -> None:
+        if self._closed:  # died between submit and here: end it as the others ended
+            self._publish([terminal_delta(request, "error", "engine died", True)])
+            return
+        if request.request_id in self._live:
+            # at-least-once delivery can hand us a request twice: keep the first
+            logger.warning("request_id=%s submitted twice; ignored", request.request_id)
+            return
+        live = _Live(request)
+        self._live[request.request_id] = live
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            self._finish(live, "deadline")
+            return
+        assert self._loop is not None
+        live.task = self._loop.create_task(self._run(live), name=f"upstream-{request.request_id}")
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self._finish(live, "abort")
+
+    # -- deltas out ------------------------------------------------------------------
+    def deltas(self) -> AsyncIterator[list[EngineDelta]]:
+        return queued_batches(self._queue)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self._live),
+            num_kv_blocks=self.max_num_seqs * len(self.upstreams),
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated,
+            num_prompt_tokens=self._num_prompt,
+            num_cached_tokens=self._num_cached,
+        )
+
+    def _publish(self, batch: list[EngineDelta] | None) -> None:
+        assert self._queue is not None
+        self._queue.put_nowait(batch)
+
+    def _finish(
+        self,
+        live: _Live,
+        reason: FinishReason,
+        error: str | None = None,
+        retryable: bool = False,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        """The terminal delta of `live` (once), and its stream closed."""
+        if live.done:
+            return
+        live.done = True
+        self._live.pop(live.request.request_id, None)
+        delta = terminal_delta(live.request, reason, error, retryable)
+        delta.stop_reason = stop_reason
+        delta.num_output_tokens = len(live.token_ids)
+        delta.num_cached_tokens = live.num_cached_tokens
+        self._publish([delta])
+        if live.task is not None and live.task is not asyncio.current_task():
+            live.task.cancel()  # closes its stream
+
+    def _end(self, reason: FinishReason, error: str | None) -> None:
+        """End every request in flight with `reason`, then `deltas()` (once)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for live in list(self._live.values()):
+            self._finish(live, reason, error, retryable=error is not None)
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._client is not None:
+            client, self._client = self._client, None
+            assert self._loop is not None
+            self._loop.create_task(client.aclose())
+        self._publish(None)
+        self._done.set()
+        logger.info("upstream backend stopped: %s", error or "shut down")
+
+    def _die(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        logger.error("upstream backend died: %s", error)
+        self._error = error
+        self._end("error", f"engine failed: {type(error).__name__}: {error}")
+
+    # -- one request -----------------------------------------------------------------
+    async def _run(self, live: _Live) -> None:
+        """Stream `live` from the least-loaded healthy upstream, moving on when one fails."""
+        request = live.request
+        deadline = request.deadline
+        loop = asyncio.get_running_loop()
+        when = None if deadline is None else loop.time() + (deadline - time.monotonic())
+        failure: Exception | None = None
+        try:
+            async with asyncio.timeout_at(when):
+                for _ in range(self.max_resumes + 1):
+                    upstream = self._pick()
+                    if upstream is None:
+                        break
+                    upstream.num_in_flight += 1  # before any await: the next pick sees it
+                    try:
+                        await self._attempt(live, upstream)
+                        return
+                    except _UpstreamFailed as exc:
+                        failure = exc
+                        upstream.healthy = False
+                        self.num_resumes += 1
+                        logger.warning(
+                            "request_id=%s upstream %s failed after %s tokens: %s",
+                            request.request_id,
+                            upstream.url,
+                            len(live.token_ids),
+                            exc,
+                        )
+                    finally:
+                        upstream.num_in_flight -= 1
+        except TimeoutError:
+            self._finish(live, "deadline")
+            return
+        except _Rejected as exc:
+            self._finish(live, "error", str(exc))
+            return
+        except Exception as exc:  # a bug or a malformed chunk: still one terminal delta
+            logger.exception("request_id=%s failed in the upstream backend", request.request_id)
+            self._finish(live, "error", f"{type(exc).__name__}: {exc}")
+            return
+        if self._pick() is None:
+            self._die(failure or RuntimeError("no healthy upstream"))
+        else:
+            self._finish(live, "error", f"failed on {self.max_resumes + 1} upstreams: {failure}")
+
+    def _pick(self) -> _Upstream | None:
+        healthy = [u for u in self.upstreams if u.healthy]
+        return min(healthy, key=lambda u: u.num_in_flight) if healthy else None
+
+    async def _attempt(self, live: _Live, upstream: _Upstream) -> None:
+        """One streamed completion on `upstream`, continuing where `live` stands."""
+        request = live.request
+        if len(live.token_ids) >= request.sampling_params.max_tokens:
+            self._finish(live, "length")  # the stream was cut right after its last token
+            return
+        client = self._client
+        assert client is not None
+        if self.model is None:
+            self.model = await self._served_model(client, upstream)
+        prompt = [*request.prompt_token_ids, *live.token_ids]
+        body = completion_body(self.model, prompt, request, len(live.token_ids), self.dialect)
+        if self.dialect == "trtllm" and live.detokenizer is None:
+            live.detokenizer = self._detokenizer(request)
+        try:
+            async with client.stream("POST", f"{upstream.url}/v1/completions", json=body) as resp:
+                if resp.status_code >= 500 or resp.status_code == 429:
+                    raise _UpstreamFailed(f"HTTP {resp.status_code}")
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _Rejected(f"upstream refused: HTTP {resp.status_code}: {resp.text}")
+                self._num_prompt += len(prompt)
+                await self._read(live, resp)
+        except httpx.HTTPError as exc:
+            raise _UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _read(self, live: _Live, resp: httpx.Response) -> None:
+        """Chunks to deltas until `[DONE]`; the terminal delta once it came."""
+        finish: FinishReason | None = None
+        stop_reason: str | int | None = None
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, `: ping` comments
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise _UpstreamFailed(f"not JSON: {data[:80]!r}") from exc
+            if "error" in chunk:
+                raise _UpstreamFailed(f"error event: {chunk['error']}")
+            usage = chunk.get("usage")
+            if usage:
+                details = usage.get("prompt_tokens_details") or {}
+                live.num_cached_tokens = details.get("cached_tokens") or 0
+                self._num_cached += live.num_cached_tokens
+            for choice in chunk.get("choices") or ():
+                token_ids = choice.get("token_ids") or []
+                text = choice.get("text") or ""
+                detokenizer = live.detokenizer
+                if detokenizer is not None:
+                    text = detokenizer.add_tokens(token_ids)
+                    if detokenizer.finished:  # a stop string: end it here, as vLLM would
+                        self._emit(live, token_ids, text)
+                        self._finish(live, "stop", stop_reason=detokenizer.stop_reason)
+                        return
+                if token_ids or text:
+                    self._num_steps += 1
+                    self._emit(live, token_ids, text)
+                    # let the reader of deltas() act on it (an abort) before buffered
+                    # chunks of this stream are read on
+                    await asyncio.sleep(0)
+                if choice.get("finish_reason") is not None:
+                    finish = _FINISH.get(choice["finish_reason"], "stop")
+                    # vLLM and trtllm-serve call it stop_reason, SGLang matched_stop
+                    stop_reason = choice.get("stop_reason", choice.get("matched_stop"))
+        if finish is None:
+            raise _UpstreamFailed("the stream ended before the request finished")
+        if live.detokenizer is not None and (tail := live.detokenizer.flush()):
+            self._emit(live, [], tail)
+        self._finish(live, finish, stop_reason=stop_reason)
+
+    def _emit(self, live: _Live, token_ids: list[int], text: str) -> None:
+        live.token_ids.extend(token_ids)
+        self._num_generated += len(token_ids)
+        self._publish([EngineDelta(live.request.request_id, token_ids, text)])
+
+    def _detokenizer(self, request: EngineRequest) -> Any:
+        """Text for `request`'s new tokens, stop strings held back: a resume replays the
+        earlier attempt's tokens first, as the engine's own detokenizer does."""
+        from engine.tokenizer import IncrementalDetokenizer
+
+        prompt, resumed = request.prompt_token_ids, request.num_resumed_tokens
+        stop = request.sampling_params.stop
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt[: len(prompt) - resumed], stop)
+        detokenizer.add_tokens(prompt[len(prompt) - resumed :])
+        return detokenizer
+
+    async def _served_model(self, client: httpx.AsyncClient, upstream: _Upstream) -> str:
+        """The first model the upstream lists: what requests name when none was given."""
+        try:
+            resp = await client.get(f"{upstream.url}/v1/models")
+        except httpx.HTTPError as exc:
+            raise _UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200 or not resp.json().get("data"):
+            raise _UpstreamFailed(f"/v1/models answered HTTP {resp.status_code}")
+        return str(resp.json()["data"][0]["id"])
+
+    # -- upstream health -------------------------------------------------------------
+    async def _probe_forever(self) -> None:
+        client = self._client
+        assert client is not None
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            results = await asyncio.gather(*(self._probe(client, u) for u in self.upstreams))
+            for upstream, ok in zip(self.upstreams, results, strict=True):
+                if ok != upstream.healthy:
+                    logger.warning("upstream %s is %s", upstream.url, "back" if ok else "down")
+                upstream.healthy = ok
+
+    async def _probe(self, client: httpx.AsyncClient, upstream: _Upstream) -> bool:
+        try:
+            resp = await client.get(
+                f"{upstream.url}{self.health_path}", timeout=self._probe_timeout_s
+            )
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    def _probe_all_blocking(self) -> bool:
+        """Probe every upstream from this thread (restart); True when one is healthy."""
+        for upstream in self.upstreams:
+            try:
+                resp = httpx.get(f"{upstream.url}{self.health_path}", timeout=self._probe_timeout_s)
+                ok = resp.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            upstream.healthy = ok
+        return any(u.healthy for u in self.upstreams)

@@ -1,0 +1,110 @@
+"""`sluice serve` heals its engine: a kill -9 of the engine process under streaming
+requests, and every stream still ends as the uninterrupted greedy run does; `/readyz`
+says 503 while the engine is down and 200 once it is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.procs import API_KEY, SluiceProcess, serving, wait_ready
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+PROMPTS = [[5, 6, 7, 8], [1, 17, 42, 99, 7], [300, 12], [9, 9, 11, 40, 2, 3]]
+MAX_TOKENS = 600
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def engine_pid(parent: int) -> int | None:
+    """The engine process: the child of `parent` that multiprocessing spawned."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"spawn_main" in cmdline:
+            return int(entry.name)
+    return None
+
+
+@pytest.fixture
+def served(data_dir: Path, tmp_path: Path) -> Iterator[tuple[str, SluiceProcess]]:
+    with serving(data_dir, tmp_path / "serve.log") as served_proc:
+        yield served_proc
+
+
+class Streamer(threading.Thread):
+    """One streaming completion; counts its chunks so the test knows it is mid-stream."""
+
+    def __init__(self, client: openai.OpenAI, prompt: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.client, self.prompt = client, prompt
+        self.text, self.finish, self.chunks = "", None, 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.client.completions.create(
+                model=MODEL, prompt=self.prompt, stream=True, **GREEDY
+            )
+            for chunk in stream:
+                for choice in chunk.choices:
+                    self.text += choice.text
+                    self.finish = choice.finish_reason or self.finish
+                self.chunks += 1
+        except BaseException as exc:
+            self.error = exc
+
+
+def test_a_killed_engine_restarts_and_every_stream_completes(
+    served: tuple[str, SluiceProcess],
+) -> None:
+    base, proc = served
+    assert proc.proc is not None
+    first = engine_pid(proc.proc.pid)
+    assert first is not None, "no engine process under sluice serve"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with client:
+        expected = [
+            client.completions.create(model=MODEL, prompt=p, **GREEDY).choices[0].text
+            for p in PROMPTS
+        ]
+        streams = [Streamer(client, p) for p in PROMPTS]
+        for s in streams:
+            s.start()
+        deadline = time.monotonic() + 60
+        while not all(s.chunks >= 5 for s in streams):
+            assert time.monotonic() < deadline, "the streams did not start"
+            assert not any(s.finish for s in streams), "a stream ended before the kill"
+            time.sleep(0.005)
+        os.kill(first, signal.SIGKILL)
+        statuses = [httpx.get(f"{base}/readyz", timeout=5).status_code]
+        while statuses[-1] != 503 and time.monotonic() < deadline:
+            statuses.append(httpx.get(f"{base}/readyz", timeout=5).status_code)
+        assert statuses[-1] == 503, "/readyz never said the engine was down"
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200  # it heals
+        for s in streams:
+            s.join(120)
+            assert s.error is None, s.error
+        wait_ready(base, proc, timeout_s=60)
+
+    for s, text in zip(streams, expected, strict=True):
+        assert s.finish == "length"
+        assert s.text == text  # no gap, no repeat: the greedy run's text exactly
+    second = engine_pid(proc.proc.pid)
+    assert second is not None and second != first
+    assert "engine restarted" in proc.output()
