@@ -32,11 +32,11 @@ INSTRUMENTATION = "sluice"
 GenAIOperation = Literal["chat", "text_completion"]
 PROVIDER = "sluice"  # `gen_ai.provider.name`: a custom value is allowed, we are the server
 
-# the engine-side spans built by the tracing consumer (consumers/tracing/)
-QUEUE_SPAN = "queue"  # gateway built the request → an engine worker polled it
-ADMISSION_SPAN = "admission"  # polled → submitted to the engine (fair queue, attempt begin)
-PREFILL_SPAN = "prefill"  # submitted → first token (engine queue and prefill step)
-DECODE_SPAN = "decode"  # first token → finished
+# events on the engine-side spans built by the tracing consumer (consumers/tracing/)
+RECEIVED_EVENT = "received"  # an engine worker polled the request (the bus queue ends)
+ADMITTED_EVENT = "admitted"  # the worker's fair queue let it in
+SCHEDULED_EVENT = "scheduled"  # submitted to the engine (the worker's admission ends)
+FIRST_TOKEN_EVENT = "first_token"  # the engine's first token (prefill ends)
 
 # attribute keys
 GEN_AI_OPERATION = "gen_ai.operation.name"
@@ -65,6 +65,15 @@ BATCH_ID = "sluice.batch_id"
 WORKER_ID = "sluice.worker_id"
 ESTIMATED = "sluice.estimated"
 ATTEMPTS = "sluice.attempts"
+# where an attempt's time went, in seconds: on `process`, the bus queue and the worker's
+# admission; on the inference span vLLM's names (its `llm_request` span has them)
+QUEUE_SECONDS = "sluice.latency.queue"
+ADMISSION_SECONDS = "sluice.latency.admission"
+LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"  # request built → engine submit
+LATENCY_TTFT = "gen_ai.latency.time_to_first_token"  # request built → first token
+LATENCY_PREFILL = "gen_ai.latency.time_in_model_prefill"  # engine submit → first token
+LATENCY_DECODE = "gen_ai.latency.time_in_model_decode"  # first token → finished
+LATENCY_E2E = "gen_ai.latency.e2e"  # request built → finished
 
 
 @functools.cache

@@ -2,22 +2,26 @@
 
 The engine worker's hot path creates no spans: it publishes one `TelemetryRecord` per
 attempt, with the request record's trace context in its headers, and this module turns
-it into spans with explicit start and end times (unix ms → ns):
+it into two spans with explicit start and end times (unix ms → ns):
 
     process sluice.requests.<lane>.v1   CONSUMER  queued → finished
-      queue                             gateway built the request → a worker polled it
-      admission                         polled → submitted to the engine (fair queue,
-                                        the attempt begun in the progress store)
+      events: received (a worker polled it: the bus queue ends), admitted (the worker's
+      fair queue let it in), scheduled (submitted to the engine)
       chat <model>                      INTERNAL  submitted → finished (GenAI attributes)
-        prefill                         submitted → first token (engine queue + prefill)
-        decode                          first token → finished
+        events: first_token (prefill ends)
+
+Where the time went is in events and in seconds-valued attributes (`sluice.latency.*` on
+`process`; vLLM's `gen_ai.latency.*` on the inference span) rather than in a child span
+per phase: the four phase spans doubled the spans a request costs, and every span is
+built, encoded and exported in the serving process (benchmarks/RESULTS.md,
+Observability).
 
 `process` is parented to the gateway's `send` span (the context in the headers) rather
 than linked to it, as the messaging conventions allow: a request/response pipeline reads
 best as one trace per request, and a failover's second attempt is a second `process`
 subtree in that trace (`sluice.attempt`). An attempt whose worker died is known only
 from its estimate (`TelemetryRecord.estimated`): its `process` and inference spans run
-from the request's creation to its resumption, with no children.
+from the request's creation to its resumption, without events.
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ def emit_attempt_spans(
     # no consumer group attribute: the record does not say which group (it is configurable)
     attrs = names.kafka_attributes("process", topic, key=record.tenant_id)
     attrs.update(_sluice_attributes(record))
+    if not record.estimated:
+        attrs.update(
+            names.without_none(
+                {
+                    names.QUEUE_SECONDS: _seconds(t.queued_ms, t.received_ms),
+                    names.ADMISSION_SECONDS: _seconds(t.received_ms, t.scheduled_ms),
+                }
+            )
+        )
     process = tracer.start_span(
         names.process_span_name(topic),
         context=parent,
@@ -60,13 +73,15 @@ def emit_attempt_spans(
         attributes=attrs,
         start_time=_ns(t.queued_ms),
     )
-    inside = trace.set_span_in_context(process, parent)
     if not record.estimated:
-        _child(tracer, inside, names.QUEUE_SPAN, t.queued_ms, t.received_ms)
-        admitted = None if t.admitted_ms is None else ("admitted", t.admitted_ms)
-        _child(tracer, inside, names.ADMISSION_SPAN, t.received_ms, t.scheduled_ms, admitted)
+        _events(
+            process,
+            (names.RECEIVED_EVENT, t.received_ms),
+            (names.ADMITTED_EVENT, t.admitted_ms),
+            (names.SCHEDULED_EVENT, t.scheduled_ms),
+        )
     if t.scheduled_ms is not None or record.estimated:
-        _inference(tracer, inside, parent, record)
+        _inference(tracer, trace.set_span_in_context(process, parent), parent, record)
     process.end(end_time=_ns(t.finished_ms))
 
 
@@ -84,22 +99,19 @@ def _sluice_attributes(record: TelemetryRecord) -> dict[str, AttributeValue]:
     )
 
 
-def _child(
-    tracer: trace.Tracer,
-    parent: Context,
-    name: str,
-    start_ms: int | None,
-    end_ms: int | None,
-    event: tuple[str, int] | None = None,
-) -> None:
-    """A child span over [start, end], with an event at a time inside it; none when
-    either end is unknown (a request answered before it ran, or before its first token)."""
+def _seconds(start_ms: int | None, end_ms: int | None) -> float | None:
+    """The time between two points, when both are known."""
     if start_ms is None or end_ms is None:
-        return
-    span = tracer.start_span(name, context=parent, start_time=_ns(start_ms))
-    if event is not None:
-        span.add_event(event[0], timestamp=_ns(event[1]))
-    span.end(end_time=_ns(max(start_ms, end_ms)))
+        return None
+    return max(0, end_ms - start_ms) / 1000
+
+
+def _events(span: trace.Span, *events: tuple[str, int | None]) -> None:
+    """Events at the known points of an attempt (a request answered before it ran has
+    no `scheduled`, one that failed before its first token no `first_token`)."""
+    for name, at_ms in events:
+        if at_ms is not None:
+            span.add_event(name, timestamp=_ns(at_ms))
 
 
 def _inference(
@@ -123,6 +135,18 @@ def _inference(
         )
     )
     attrs.update(_sluice_attributes(record))
+    if not record.estimated:
+        attrs.update(
+            names.without_none(
+                {
+                    names.LATENCY_TIME_IN_QUEUE: _seconds(t.queued_ms, t.scheduled_ms),
+                    names.LATENCY_TTFT: _seconds(t.queued_ms, t.first_token_ms),
+                    names.LATENCY_PREFILL: _seconds(t.scheduled_ms, t.first_token_ms),
+                    names.LATENCY_DECODE: _seconds(t.first_token_ms, t.finished_ms),
+                    names.LATENCY_E2E: _seconds(t.queued_ms, t.finished_ms),
+                }
+            )
+        )
     start_ms = t.queued_ms if t.scheduled_ms is None else t.scheduled_ms
     span = tracer.start_span(
         names.inference_span_name(str(operation), record.model),
@@ -135,8 +159,5 @@ def _inference(
         span.set_status(Status(StatusCode.ERROR, "the engine failed the request"))
         span.set_attribute("error.type", "engine_error")
     if not record.estimated:
-        inner = trace.set_span_in_context(span, inside)
-        first = t.first_token_ms
-        _child(tracer, inner, names.PREFILL_SPAN, t.scheduled_ms, first)
-        _child(tracer, inner, names.DECODE_SPAN, first, t.finished_ms)
+        _events(span, (names.FIRST_TOKEN_EVENT, t.first_token_ms))
     span.end(end_time=_ns(max(start_ms, t.finished_ms)))

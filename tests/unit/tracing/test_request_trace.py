@@ -110,11 +110,9 @@ def test_a_streamed_chat_request_is_one_trace(
     assert server.parent is None
     assert parent_of(send) == span_id(server)
     assert parent_of(process) == span_id(send)
-    for name in ("queue", "admission"):
-        assert parent_of(one(done, name)) == span_id(process)
     assert parent_of(chat) == span_id(process)
-    for name in ("prefill", "decode"):
-        assert parent_of(one(done, name)) == span_id(chat)
+    assert [e.name for e in process.events] == ["received", "admitted", "scheduled"]
+    assert [e.name for e in chat.events] == ["first_token"]
     assert len({trace_id(s) for s in done}) == 1
 
     request_id = r.headers["x-request-id"]
