@@ -88,7 +88,13 @@ class MemoryEventBus:
         self._retention_records = retention_records
         self._empty_group_retention_s = empty_group_retention_s
         self._clock = clock
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # the bus's lock, held as a context
+        # who waits for a topic's records: a publish wakes only its readers. One condition
+        # for all woke every consumer thread of `sluice serve` (reply, engine poller,
+        # billing, quotas, tracing) at every delta publish, each taking the GIL to find
+        # nothing (benchmarks/RESULTS.md, Observability)
+        self._readers: dict[str, set[MemoryConsumer]] = {}
         self._logs: dict[str, list[_Log]] = {}
         self._groups: dict[str, _Group] = {}
         self._closed = False
@@ -143,7 +149,8 @@ class MemoryEventBus:
             )
             log.records.append(record)
             self._trim(TopicPartition(topic, partition))
-            self._cond.notify_all()
+            for reader in self._readers.get(topic, ()):
+                reader._wake.notify()
         future.set_result(Delivered(topic, partition, record.offset))
         return future
 
@@ -166,6 +173,8 @@ class MemoryEventBus:
                 self._partitions(topic)
             group = self._groups.setdefault(group_id, _Group())
             member = MemoryConsumer(self, group, list(topics), offset_reset, on_assign, on_revoke)
+            for topic in topics:
+                self._readers.setdefault(topic, set()).add(member)
             group.members[member.member_id] = member
             group.empty_since = None
             self._rebalance(group)
@@ -181,13 +190,21 @@ class MemoryEventBus:
             for p in range(len(self._partitions(topic))):
                 assignment[subscribers[p % len(subscribers)]].add(TopicPartition(topic, p))
         group.assignment = assignment
-        self._cond.notify_all()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Every waiting reader polls again (a rebalance, a resume, the bus closing)."""
+        for readers in self._readers.values():
+            for reader in readers:
+                reader._wake.notify_all()
 
     def _leave(self, member: MemoryConsumer) -> None:
         with self._cond:
             group = member.group
             if group.members.pop(member.member_id, None) is None:
                 return
+            for topic in member.topics:
+                self._readers.get(topic, set()).discard(member)
             self._rebalance(group)
             if not group.members:
                 group.empty_since = self._clock()
@@ -220,7 +237,7 @@ class MemoryEventBus:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def end_offset(self, tp: TopicPartition) -> int:
         with self._cond:
@@ -282,6 +299,7 @@ class MemoryConsumer(Consumer):
         self._positions: dict[TopicPartition, int] = {}
         self._paused: set[TopicPartition] = set()
         self._closed = False
+        self._wake = threading.Condition(bus._lock)  # notified by the bus (`_readers`)
 
     def _sync_assignment(self) -> None:
         """Adopt the group's current assignment (eager: revoke all, then assign)."""
@@ -324,7 +342,7 @@ class MemoryConsumer(Consumer):
                 if remaining <= 0 or bus._closed:
                     return []
                 if self._generation == self.group.generation:
-                    bus._cond.wait(remaining)
+                    self._wake.wait(remaining)
 
     def _take(self, max_records: int) -> list[Record]:
         out: list[Record] = []
@@ -377,7 +395,7 @@ class MemoryConsumer(Consumer):
     def resume(self, partitions: Sequence[TopicPartition]) -> None:
         self._paused -= set(partitions)
         with self._bus._cond:
-            self._bus._cond.notify_all()
+            self._wake.notify_all()
 
     def paused(self) -> set[TopicPartition]:
         return set(self._paused)
