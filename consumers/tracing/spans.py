@@ -85,15 +85,18 @@ def emit_attempt_spans(
     process.end(end_time=_ns(t.finished_ms))
 
 
-def _sluice_attributes(record: TelemetryRecord) -> dict[str, AttributeValue]:
+def _sluice_attributes(record: TelemetryRecord, *, ids: bool = True) -> dict[str, AttributeValue]:
+    """Sluice's attributes of an attempt; the inference span leaves out the request id
+    (its `gen_ai.response.id`) and the worker's (on its parent): every attribute is
+    encoded and exported once per span."""
     return names.without_none(
         {
-            names.REQUEST_ID: record.request_id,
+            names.REQUEST_ID: record.request_id if ids else None,
             names.TENANT_ID: record.tenant_id,
             names.LANE: record.lane.value,
             names.ATTEMPT: record.attempt,
             names.BATCH_ID: record.batch_id,
-            names.WORKER_ID: record.worker_id,
+            names.WORKER_ID: record.worker_id if ids else None,
             names.ESTIMATED: record.estimated or None,
         }
     )
@@ -134,7 +137,7 @@ def _inference(
             record.num_prompt_tokens, record.num_output_tokens, record.num_cached_tokens
         )
     )
-    attrs.update(_sluice_attributes(record))
+    attrs.update(_sluice_attributes(record, ids=False))
     if not record.estimated:
         attrs.update(
             names.without_none(

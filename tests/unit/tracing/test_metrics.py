@@ -349,3 +349,32 @@ def test_batch_gauges_and_lines() -> None:
     assert sample("sluice_batches", {"status": "in_progress"}) == 2
     assert sample("sluice_batches", {"status": "validating"}) == 0
     metrics.set_batch_counts({})
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.004, 0.02, 0.0200001, 7.5, 1e9])
+def test_many_observations_at_once_read_as_one_at_a_time(amount: float) -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tracing.metrics import _observe_many
+
+    registry = CollectorRegistry()
+    buckets = (0.005, 0.01, 0.02, 0.05, 1.0)
+    one = Histogram("one_seconds", "", buckets=buckets, registry=registry)
+    many = Histogram("many_seconds", "", buckets=buckets, registry=registry)
+    for _ in range(7):
+        one.observe(amount)
+    _observe_many(many, amount, 7)
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        family = next(f for f in registry.collect() if f.name == name)
+        return [
+            (s.name.replace(name, ""), s.labels, s.value)
+            for s in family.samples
+            if not s.name.endswith("_created")
+        ]
+
+    got, want = samples("many_seconds"), samples("one_seconds")
+    assert [s for s in got if s[0] != "_sum"] == [s for s in want if s[0] != "_sum"]
+    assert [s[2] for s in got if s[0] == "_sum"] == pytest.approx(
+        [s[2] for s in want if s[0] == "_sum"]
+    )
