@@ -303,9 +303,7 @@ class _OffsetGaps:
             since = self._open.setdefault((tp, expected), now)
             if now - since < GAP_REFETCH_S:
                 return expected
-            logger.warning(
-                "offsets %s..%s of %s never arrived; reading on", expected, offset - 1, tp
-            )
+            logger.warning("offsets %s..%s of %s never arrived; reading on", expected, offset - 1, tp)
         if expected is not None:
             self._open.pop((tp, expected), None)
         self._next[tp] = offset + 1
