@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -306,8 +307,41 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def with_children(pid: int) -> list[int]:
+    """`pid` and the processes it started (an engine worker's engine process generates)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in task.read_text().split()]
+    return [pid, *children]
+
+
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+def _requests_running(pid: int) -> float:
+    """The requests in the engine of the worker `pid`, from its metrics port (0 without)."""
+    port = _environ(pid).get("SLUICE_METRICS_PORT")
+    if port is None:
+        return 0.0
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(v) for v in _RUNNING.findall(text))
+
+
 def busiest(pids: list[int], window_s: float = 0.2) -> int:
-    """The process that used the most CPU over a short window (the one doing the work)."""
-    before = {pid: cpu_ticks(pid) for pid in pids}
+    """The process doing the work: the engine worker with the most requests in its engine,
+    else the one that used the most CPU (with its children) over a short window. CPU
+    alone once picked an idle worker, whose poll loop had spun more in 0.1 s."""
+    running = {pid: _requests_running(pid) for pid in pids}
+    if max(running.values(), default=0.0) > 0:
+        return max(pids, key=lambda pid: running[pid])
+
+    def ticks(pid: int) -> int:
+        return sum(cpu_ticks(p) for p in with_children(pid))
+
+    before = {pid: ticks(pid) for pid in pids}
     time.sleep(window_s)
-    return max(pids, key=lambda pid: cpu_ticks(pid) - before[pid])
+    return max(pids, key=lambda pid: ticks(pid) - before[pid])

@@ -348,7 +348,7 @@ def worker_engine(
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-engine-worker")
     configure_process_tracing("sluice-engine")  # its hot path makes no spans (telemetry)
-    serve_metrics(settings)
+    serve_metrics(settings, ready_later=True)
     options = wiring.engine_options(settings)
     wiring.apply_process_effects(settings, options)
     worker = wiring.build_worker(settings, bus, wiring.build_backend(settings, options))
@@ -612,13 +612,19 @@ def _flags(**values: Any) -> list[str]:
     return out
 
 
-def serve_metrics(settings: Settings) -> None:
+def serve_metrics(settings: Settings, *, ready_later: bool = False) -> None:
     """A worker's Prometheus metrics on SLUICE_METRICS_PORT (`sluice up` gives each child
     one), served by a thread of its own; nothing when it is unset. Applies
-    SLUICE_METRICS_ENABLED first (`switch_metrics`)."""
-    from tracing.metrics import start_metrics_server
+    SLUICE_METRICS_ENABLED first (`switch_metrics`).
+
+    `ready_later`: `/readyz` answers 503 until the caller's `set_probes`. An engine
+    worker's replacement that said ready from its first moment let a rolling restart stop
+    the next worker while the group was still rebalancing."""
+    from tracing.metrics import set_probes, start_metrics_server
 
     switch_metrics(settings)
+    if ready_later:
+        set_probes(healthy=lambda: True, ready=lambda: False)
     start_metrics_server(settings.metrics_port, settings.metrics_host)
 
 

@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from benchmarks.faults import ADMIN_URL
-from benchmarks.faults_infra import RedisServer
+from benchmarks.faults_infra import RedisServer, busiest
 from bus.codec import decode_as
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.messages import UsageRecord
@@ -165,27 +165,6 @@ def test_each_line_equals_its_request_sent_alone(fleet: Fleet) -> None:
     assert differ == []
 
 
-def _busiest(pids: list[int]) -> int:
-    """The engine worker doing the work (one tenant's lines share a partition), judged
-    with its engine process, where the generating happens."""
-
-    def ticks(pid: int) -> int:
-        family = {pid}
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                family.update(int(child) for child in task.read_text().split())
-        total = 0
-        for member in family:
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(stat[11]) + int(stat[12])  # utime + stime
-        return total
-
-    before = {pid: ticks(pid) for pid in pids}
-    time.sleep(0.2)
-    return max(pids, key=lambda pid: ticks(pid) - before[pid])
-
-
 def _usage_keys(bootstrap: str, batch_id: str, timeout_s: float = 60) -> set[tuple[str, int]]:
     """(request_id, attempt) of every engine usage record of the batch, read until quiet."""
     bus = KafkaEventBus(KafkaConfig(bootstrap=bootstrap, client_id="e2e-batch-usage"))
@@ -232,7 +211,7 @@ def test_kill_9_of_the_batches_worker_and_an_engine_worker_mid_batch(fleet: Flee
         batch = submit(client, jsonl(lines))
         wait_for_progress(client, batch.id, 20)
         (batches_worker,) = fleet.pids(BATCHES_WORKER)
-        engine_worker = _busiest(fleet.pids(ENGINE_WORKER))
+        engine_worker = busiest(fleet.pids(ENGINE_WORKER))
         for pid in (batches_worker, engine_worker):
             subprocess.run(["kill", "-9", str(pid)], check=True)
         before = client.batches.retrieve(batch.id).request_counts

@@ -4,7 +4,6 @@ lost, nothing duplicated), and Ctrl-C stopping the stack in order."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.faults_infra import busiest, with_children
 from bus.codec import decode_as
 from bus.errors import BusUnavailable
 from bus.kafka import KafkaConfig, KafkaEventBus
@@ -246,40 +246,11 @@ def _run_streams(
             deadline = time.monotonic() + 120
             while len(chunks) < kill_at_chunks and time.monotonic() < deadline:
                 time.sleep(0.01)
-            victim = _busiest(stack.worker_pids())
+            victim = busiest(stack.worker_pids())
             os.kill(victim, signal.SIGKILL)
         for thread in threads:
             thread.join(180)
     return results, len(chunks)
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def _with_children(pid: int) -> list[int]:
-    """`pid` and the processes it started (a worker's engine process does its work)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        children += [int(c) for c in task.read_text().split()]
-    return [pid, *children]
-
-
-def _busiest(pids: list[int]) -> int:
-    """The worker running the streams (one tenant's requests share a partition), judged
-    with its engine process, where the generating happens."""
-
-    def ticks(pid: int) -> int:
-        total = 0
-        for p in _with_children(pid):
-            with contextlib.suppress(OSError):
-                total += _cpu_ticks(p)
-        return total
-
-    before = {pid: ticks(pid) for pid in pids}
-    time.sleep(0.1)
-    return max(pids, key=lambda pid: ticks(pid) - before[pid])
 
 
 def test_kill_9_of_a_worker_mid_stream_loses_and_duplicates_nothing(stack: Stack) -> None:
@@ -336,7 +307,7 @@ def test_ctrl_c_stops_the_stack_in_order(stack: Stack) -> None:
         sdk_checks.check_chat(client)
     up = stack.proc.proc
     assert up is not None
-    children = [p for c in _with_children(up.pid)[1:] for p in _with_children(c)]
+    children = [p for c in with_children(up.pid)[1:] for p in with_children(c)]
     assert len(children) >= len(STOP_STAGES)  # an engine worker's engine process too
     for pid in children:
         assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid

@@ -279,6 +279,22 @@ def test_the_metrics_port_answers_probes_as_set() -> None:
         metrics.set_probes(healthy=lambda: True, ready=lambda: True)
 
 
+def test_an_engine_worker_is_not_ready_before_its_probes_are_set() -> None:
+    """`sluice worker engine` serves metrics before its worker exists: /readyz says 503
+    until the worker's probe takes over (a rolling restart waits on it)."""
+    from sluice.cli_serving import serve_metrics
+    from sluice.settings import EngineWorkerSettings
+    from tests.unit.api.fakes import free_port
+
+    port = free_port()
+    try:
+        serve_metrics(EngineWorkerSettings(metrics_port=port), ready_later=True)
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 503
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    finally:
+        metrics.set_probes(healthy=lambda: True, ready=lambda: True)
+
+
 @pytest.fixture
 def tenancy_db(tmp_path: Path) -> Iterator[Database]:
     db = Database.connect(embedded_url(tmp_path), migrate_if_needed=True)
