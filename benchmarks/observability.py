@@ -361,14 +361,16 @@ class Result:
     ok: bool = False
 
 
-async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
-    """One streaming chat request: TTFT at its first content chunk, tokens from usage.
-    `ok`: every token came (an output of tokens that decode to no text has no content
-    chunk, so no TTFT; the same requests on both arms)."""
+async def stream_one(
+    client: httpx.AsyncClient, body: dict[str, Any], endpoint: str = ENDPOINT
+) -> Result:
+    """One streaming chat or text completion: TTFT at its first chunk with text, tokens
+    from usage. `ok`: every token came (an output of tokens that decode to no text has no
+    content chunk, so no TTFT; the same requests on both arms)."""
     result = Result()
     started = time.perf_counter()
     try:
-        async with client.stream("POST", ENDPOINT, json=body) as response:
+        async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 return result
@@ -380,7 +382,9 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
                     result.tokens = json.loads(data)["usage"]["completion_tokens"]
                 elif result.ttft_ms is None and data != "[DONE]":
                     choices = json.loads(data).get("choices")
-                    if choices and choices[0]["delta"].get("content"):
+                    if choices and (
+                        choices[0].get("delta", {}).get("content") or choices[0].get("text")
+                    ):
                         result.ttft_ms = (time.perf_counter() - started) * 1e3
     except httpx.HTTPError:
         return result

@@ -130,6 +130,9 @@ def bench_engine(
     gguf_q8: Annotated[
         str | None, typer.Option(help="q8_0 GGUF of the same weights, beside Sluice's int8.")
     ] = None,
+    vllm: Annotated[
+        bool, typer.Option(help="Add vLLM's CPU build, installed by `scripts/peers vllm`.")
+    ] = False,
     data_dir: DataDir = None,
 ) -> None:
     """Sluice's engine vs HF generate and transformers continuous batching, side by side.
@@ -149,6 +152,7 @@ def bench_engine(
         data_dir=str(settings.data_dir),
         gguf=gguf,
         gguf_q8=gguf_q8,
+        vllm=vllm,
     )
     emit(result, render, as_json)
 
@@ -166,16 +170,35 @@ def bench_serving(
             " SLUICE_ENGINE_CPUS unset)."
         ),
     ] = "none",
+    vllm: Annotated[
+        bool,
+        typer.Option(
+            help="Instead: `sluice serve` vs vLLM's CPU server (`scripts/peers vllm`) over"
+            " HTTP, a burst of 64 requests and a light Poisson rate (quick ~4 min, full ~8)."
+        ),
+    ] = False,
+    vllm_threads_bind: Annotated[
+        str | None,
+        typer.Option(help="vLLM's VLLM_CPU_OMP_THREADS_BIND.", show_default="vLLM's default"),
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """TTFT, ITL and tokens/s p50/p99, engine called directly vs through Kafka, side by side.
 
     Over a request-rate sweep on tiny-llama; plus the bus round trip, a priority run
     (interactive beside a saturating batch backlog) and a fairness run (10:1 tenants).
+    With --vllm: `sluice serve` against vLLM's CPU server on the same model instead.
     """
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    if vllm:
+        from benchmarks import serving_vllm
+
+        peer = serving_vllm.PeerSettings(threads_bind=vllm_threads_bind)
+        result = serving_vllm.run(quick=quick, data_dir=str(settings.data_dir), peer=peer)
+        emit(result, serving_vllm.render, as_json)
+        return
     from benchmarks.serving import render, run
 
-    settings = settings_or_exit(Settings, data_dir=data_dir)
     result = run(
         quick=quick,
         kafka_bootstrap=kafka or settings.kafka_bootstrap,
