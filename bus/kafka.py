@@ -278,6 +278,8 @@ def _any(value: Any) -> Any:
 
 # how long a hole in a partition's offsets is fetched again before it is taken as real
 GAP_REFETCH_S = 1.0
+# how long a closing member waits for a rebalance it is part of to finish (`_settle`)
+SETTLE_BEFORE_LEAVING_S = 10.0
 
 
 class _OffsetGaps:
@@ -349,6 +351,8 @@ class KafkaConsumer(Consumer):
         # samples (py-spy --gil), time the engine thread waited between torch ops
         self._assignment: set[TopicPartition] = set()
         self._gaps = _OffsetGaps()
+        # False from a revocation until the next assignment: a rebalance this member is in
+        self._settled = True
         try:
             self._consumer = ck.Consumer(
                 {
@@ -382,6 +386,7 @@ class KafkaConsumer(Consumer):
         if self._offset_reset == "latest" and partitions:
             self._pin_latest(partitions)
         tps = _tps(partitions)
+        self._settled = True
         self._gaps.forget(tps)
         self._paused -= tps
         self._assignment |= tps  # eager rebalancing revokes all first; cooperative adds
@@ -410,6 +415,7 @@ class KafkaConsumer(Consumer):
 
     def _revoked(self, _consumer: Any, partitions: Any) -> None:
         tps = _tps(partitions)
+        self._settled = False  # eager rebalancing: the member rejoins for a new share
         if partitions:
             # librdkafka keeps a partition paused through a rebalance, also one that comes
             # back to this member, while `paused()` starts it afresh: one paused at a
@@ -535,8 +541,27 @@ class KafkaConsumer(Consumer):
             raise _translate(exc) from exc
         return out
 
+    def _settle(self, timeout_s: float) -> None:
+        """Wait, polling, for a rebalance this member is part of to finish before it leaves.
+
+        Tansu's group coordinator (0.6) wedges a group for good when a member leaves while
+        a rebalance waits on it: every later join is answered "rebalance in progress" and
+        nobody reads the topics again (a rolling restart of engine workers hit it). Kafka
+        needs no wait; it costs a close at most `timeout_s`. What the polls return is
+        dropped uncommitted, so the partitions' next owner reads it."""
+        self._on_assign = None  # the owner hears of no partition from here on
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._settled and time.monotonic() < deadline:
+                self._consumer.poll(0.1)
+        except Exception:  # leaving is best effort
+            logger.warning(
+                "group=%s: leaving without a settled group", self.group_id, exc_info=True
+            )
+
     def close(self) -> None:
         """Leave the group; on_revoke runs first, here, so it may still commit."""
+        self._settle(SETTLE_BEFORE_LEAVING_S)
         if self._on_revoke is not None:
             held = self.assignment()
             if held:
