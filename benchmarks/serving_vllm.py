@@ -10,10 +10,12 @@ output lengths with `ignore_eos`, greedy, `stream_options.include_usage`):
   saturation figure), TTFT p50/p99;
 - Poisson: a light rate the engines keep up with: TTFT p50/p99 and tokens/s.
 
-TTFT is the time to the first chunk with text. The tiny-llama preset's tokenizer names
-512 of its 32,000 ids, so most generated ids decode to no text; the run serves a copy of
-the directory whose tokenizer names every id (`full_vocab_dir`: the same weights,
-linked), so every token has text on both servers.
+The model is the engine benchmark's (`benchmarks.engine.BENCH_MODEL`: the tiny-llama
+machinery at hidden 512, 8 layers, a 32,000-token vocabulary, random weights). TTFT is the
+time to the first chunk with text; that preset's tokenizer names 512 of the 32,000 ids, so
+most generated ids would decode to no text: the run serves a copy of the directory whose
+tokenizer names every id (`full_vocab_dir`: the same weights, linked), so every token has
+text on both servers.
 
 vLLM runs from `.peers/vllm` (`scripts/peers vllm`), never from the project's
 environment; its worker busy-polls for about a second after its last request, so each
@@ -327,10 +329,12 @@ def run(quick: bool = False, data_dir: str | None = None,
     if not PEER_PYTHON.exists():
         result["skipped"] = {"vllm": INSTALL_HINT}
         return result
+    from benchmarks.engine import BENCH_MODEL
     from engine.loader import resolve_model_dir
     from sluice.settings import CommonSettings, load_settings
 
-    src = resolve_model_dir(MODEL, data_dir or load_settings(CommonSettings).data_dir)
+    data_dir = data_dir or str(load_settings(CommonSettings).data_dir)
+    src = resolve_model_dir(MODEL, data_dir, BENCH_MODEL)
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     result["versions"] = _versions()
     with tempfile.TemporaryDirectory(prefix="sluice-bench-vllm-") as tmp:
