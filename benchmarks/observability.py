@@ -34,14 +34,11 @@ import gzip
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -49,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.http_servers import Launch, Server, servers
 from benchmarks.stats import percentile, ratio
 from bus.tansu import free_port
 
@@ -227,19 +225,6 @@ class Scraper:
 
 
 # -- the servers ------------------------------------------------------------------------
-@dataclass(slots=True)
-class Server:
-    """One `sluice serve` in a session of its own, its output in `log`."""
-
-    arm: str
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    log: Path
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-
 def arm_env(arm: str, otlp_port: int) -> dict[str, str]:
     """The process environment of an arm: no inherited OTEL_* or metrics switch."""
     env = {
@@ -255,42 +240,15 @@ def arm_env(arm: str, otlp_port: int) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def servers(workdir: Path, otlp_port: int, timeout_s: float = 300.0) -> Iterator[dict[str, Server]]:
-    """Both arms' `sluice serve`, started together, each ready (/readyz 200)."""
-    started: dict[str, Server] = {}
-    try:
-        for arm in ARMS:
-            port, data_dir, log = free_port(), workdir / f"data-{arm}", workdir / f"{arm}.log"
-            args = ["serve", "--port", str(port), "--data-dir", str(data_dir)]
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "sluice", *args, "--api-key", API_KEY],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=arm_env(arm, otlp_port),
-                    start_new_session=True,
-                )
-            started[arm] = Server(arm, proc, f"http://127.0.0.1:{port}", log)
-        deadline = time.monotonic() + timeout_s
-        for server in started.values():
-            while not _ready(server.base_url):
-                if server.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"sluice serve ({server.arm}) did not become ready:\n{server.log_tail()}"
-                    )
-                time.sleep(0.5)
-        yield started
-    finally:
-        for server in started.values():
-            if server.proc.poll() is None:
-                os.killpg(server.proc.pid, signal.SIGTERM)
-        for server in started.values():
-            try:
-                server.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.proc.pid, signal.SIGKILL)
-                server.proc.wait()
+def launches(workdir: Path, otlp_port: int) -> dict[str, Launch]:
+    """Both arms' `sluice serve`, each with a scratch data dir of its own."""
+    out = {}
+    for arm in ARMS:
+        port = free_port()
+        cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--data-dir",
+               str(workdir / f"data-{arm}"), "--api-key", API_KEY]  # fmt: skip
+        out[arm] = Launch(cmd, arm_env(arm, otlp_port), port)
+    return out
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -314,12 +272,6 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         grew = bool(more)
     own = times.get(pid, 0.0)
     return own, sum(times.get(p, 0.0) for p in tree) - own
-
-
-def _ready(base_url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200
-    return False
 
 
 # -- the workload -----------------------------------------------------------------------
@@ -511,7 +463,7 @@ async def _run_async(workdir: Path, plan: Plan) -> dict[str, Any]:
     figures = {arm: ArmFigures() for arm in ARMS}
     with (
         OtlpReceiver() as receiver,
-        servers(workdir, receiver.port) as served,
+        servers(launches(workdir, receiver.port), workdir) as served,
         Scraper(f"{served['on'].base_url}/metrics") as scraper,
     ):
         clients = {arm: _client(served[arm], plan) for arm in ARMS}

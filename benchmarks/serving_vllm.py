@@ -28,23 +28,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.http_servers import Launch, Server, servers
 from benchmarks.observability import Result, arrivals, cpu_seconds, stream_one
 from benchmarks.stats import percentile, ratio
 from benchmarks.vllm_peer import INSTALL_HINT, PEER_PYTHON
@@ -114,21 +112,9 @@ def full_vocab_dir(src: Path, dst: Path) -> Path:
 
 
 # -- the servers ----------------------------------------------------------------------
-@dataclass(slots=True)
-class Server:
-    arm: str
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    log: Path
-    ready_path: str
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-
-def commands(model_dir: Path, ports: dict[str, int], workdir: Path, peer: PeerSettings
-             ) -> dict[str, tuple[list[str], dict[str, str], str]]:  # fmt: skip
-    """Each arm's command line, environment and readiness path."""
+def launches(model_dir: Path, workdir: Path, peer: PeerSettings) -> dict[str, Launch]:
+    """Each arm's command line, environment, port and readiness path."""
+    ports = {arm: free_port() for arm in ARMS}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLUICE_", "VLLM_"))}
     sluice = [sys.executable, "-m", "sluice", "serve", "--model", str(model_dir),
               "--served-model-name", MODEL, "--dtype", peer.dtype, "--port",
@@ -142,45 +128,10 @@ def commands(model_dir: Path, ports: dict[str, int], workdir: Path, peer: PeerSe
     vllm_env = {**env, "VLLM_CPU_KVCACHE_SPACE": str(peer.kvcache_space_gib)}
     if peer.threads_bind is not None:
         vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = peer.threads_bind
-    return {"sluice": (sluice, env, "/readyz"), "vllm": (vllm, vllm_env, "/health")}
-
-
-@contextlib.contextmanager
-def servers(model_dir: Path, workdir: Path, peer: PeerSettings, timeout_s: float = 600.0
-            ) -> Iterator[dict[str, Server]]:  # fmt: skip
-    """Both servers, started together, each ready."""
-    ports = {arm: free_port() for arm in ARMS}
-    started: dict[str, Server] = {}
-    try:
-        for arm, (cmd, env, ready) in commands(model_dir, ports, workdir, peer).items():
-            log = workdir / f"{arm}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)  # fmt: skip
-            started[arm] = Server(arm, proc, f"http://127.0.0.1:{ports[arm]}", log, ready)
-        deadline = time.monotonic() + timeout_s
-        for server in started.values():
-            while not _ready(server):
-                if server.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{server.arm} did not become ready:\n{server.log_tail()}")
-                time.sleep(0.5)
-        yield started
-    finally:
-        for server in started.values():
-            if server.proc.poll() is None:
-                os.killpg(server.proc.pid, signal.SIGTERM)
-        for server in started.values():
-            try:
-                server.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.proc.pid, signal.SIGKILL)
-                server.proc.wait()
-
-
-def _ready(server: Server) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(server.base_url + server.ready_path, timeout=2).status_code == 200
-    return False
+    return {
+        "sluice": Launch(sluice, env, ports["sluice"]),
+        "vllm": Launch(vllm, vllm_env, ports["vllm"], "/health"),
+    }
 
 
 # -- the workload -----------------------------------------------------------------------
@@ -340,7 +291,7 @@ def run(quick: bool = False, data_dir: str | None = None,
     with tempfile.TemporaryDirectory(prefix="sluice-bench-vllm-") as tmp:
         workdir = Path(tmp)
         model_dir = full_vocab_dir(src, workdir / "model")
-        with servers(model_dir, workdir, peer) as started:
+        with servers(launches(model_dir, workdir, peer), workdir, timeout_s=600) as started:
             arms = asyncio.run(_run_async(started, plan, vocab))
             result["commands"] = {arm: s.proc.args for arm, s in started.items()}
     result["arms"] = arms

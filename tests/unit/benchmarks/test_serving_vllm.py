@@ -61,12 +61,12 @@ def test_without_the_peer_the_run_says_how_to_install_it(
 
 def test_each_arm_gets_its_command_and_only_its_settings(tmp_path: Path) -> None:
     peer = serving_vllm.PeerSettings(threads_bind="0-1")
-    ports = {"sluice": 1, "vllm": 2}
-    cmds = serving_vllm.commands(tmp_path / "m", ports, tmp_path, peer)
-    sluice_cmd, sluice_env, sluice_ready = cmds["sluice"]
-    vllm_cmd, vllm_env, vllm_ready = cmds["vllm"]
-    assert sluice_cmd[1:4] == ["-m", "sluice", "serve"] and sluice_ready == "/readyz"
-    assert "vllm.entrypoints.openai.api_server" in vllm_cmd and vllm_ready == "/health"
-    assert vllm_cmd[vllm_cmd.index("--max-num-seqs") + 1] == "64"
-    assert vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    assert not any(k.startswith("VLLM_") for k in sluice_env)
+    arms = serving_vllm.launches(tmp_path / "m", tmp_path, peer)
+    sluice, vllm = arms["sluice"], arms["vllm"]
+    assert sluice.cmd[1:4] == ["-m", "sluice", "serve"] and sluice.ready_path == "/readyz"
+    assert sluice.cmd[sluice.cmd.index("--port") + 1] == str(sluice.port)
+    assert "vllm.entrypoints.openai.api_server" in vllm.cmd and vllm.ready_path == "/health"
+    assert vllm.cmd[vllm.cmd.index("--port") + 1] == str(vllm.port) != str(sluice.port)
+    assert vllm.cmd[vllm.cmd.index("--max-num-seqs") + 1] == "64"
+    assert vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert not any(k.startswith("VLLM_") for k in sluice.env)
