@@ -30,6 +30,7 @@ import torch
 
 from benchmarks import engine_peers as peers
 from benchmarks import vllm_peer
+from benchmarks.stats import run_figures
 from benchmarks.vllm_peer import PeerError, PeerSetup, VllmPeer, Workload
 from engine.backends.base import EngineRequest
 from engine.backends.torch_backend import apply_process_options
@@ -120,14 +121,7 @@ class SluiceRun:
                     generated += len(d.token_ids)
                     first.setdefault(d.request_id, time.perf_counter() - t0)
             self.peak_blocks = max(self.peak_blocks, usable - kv.num_free_blocks)
-        dt = time.perf_counter() - t0
-        ttfts = sorted(first.values())
-        return {
-            "tokens_per_s": generated / dt,
-            "ttft_ms": statistics.median(ttfts) * 1e3,
-            "generated_tokens": generated,
-            "elapsed_s": dt,
-        }
+        return run_figures(generated, time.perf_counter() - t0, first.values())
 
 
 def _sluice_batch1(run: SluiceRun, prompt: list[int], new: int) -> dict:
@@ -313,9 +307,10 @@ def run(
     hf = peers.load_hf(path, lm.dtype)
     vocab = lm.config.vocab_size
     ggufs = {k: Path(v) for k, v in (("llama_cpp", gguf), ("llama_cpp_q8_0", gguf_q8)) if v}
+    ready = None
     if peer is not None:
         try:
-            peer.wait_ready()
+            ready = peer.wait_ready()
         except PeerError as e:
             peer.close()
             peer, skipped["vllm"] = None, str(e)
@@ -353,8 +348,7 @@ def run(
     finally:
         if peer is not None:
             peer.close()
-    if peer is not None:
-        ready = peer.wait_ready()
+    if ready is not None:
         result["vllm"] = {"version": ready.version, "settings": ready.settings}
     if not peers.llama_cpp_available():
         skipped["llama_cpp"] = "llama-cpp-python is not importable"

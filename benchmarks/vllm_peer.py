@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
+
+from benchmarks.stats import run_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -284,14 +285,7 @@ class _Vllm:
                     first.setdefault(out.request_id, time.perf_counter() - t0)
                 if out.finished:
                     generated += len(out.outputs[0].token_ids)
-        dt = time.perf_counter() - t0
-        ttfts = sorted(first.values())
-        return {
-            "tokens_per_s": generated / dt,
-            "ttft_ms": statistics.median(ttfts) * 1e3,
-            "generated_tokens": generated,
-            "elapsed_s": dt,
-        }
+        return run_figures(generated, time.perf_counter() - t0, first.values())
 
 
 def protocol_stdout() -> IO[str]:

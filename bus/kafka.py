@@ -561,16 +561,15 @@ class KafkaConsumer(Consumer):
 
     def close(self) -> None:
         """Leave the group; on_revoke runs first, here, so it may still commit."""
+        held = self.assignment()  # what the owner knows of: not a share given while settling
         self._settle(SETTLE_BEFORE_LEAVING_S)
         if self._on_revoke is not None:
-            held = self.assignment()
             if held:
                 try:
                     self._on_revoke(held)
                 except Exception:
                     logger.warning("on_revoke failed while closing", exc_info=True)
             self._on_revoke = None
-        self._on_assign = None
         try:
             self._consumer.close()
         except Exception:  # closing is best effort; the group times the member out
