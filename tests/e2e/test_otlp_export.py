@@ -204,11 +204,17 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
     by_attempt = {attrs(s)["sluice.attempt"]: s for s in attempts()}
     assert sorted(by_attempt) == [0, 1]
     assert attrs(by_attempt[0]).get("sluice.estimated") is True  # its engine died under it
-    [server] = [
-        s
-        for s in receiver.named("POST /v1/completions")
-        if attrs(s)["sluice.request_id"] == request_id
-    ]
+
+    def servers() -> list[Span]:
+        found = receiver.named("POST /v1/completions")
+        return [s for s in found if attrs(s)["sluice.request_id"] == request_id]
+
+    # the gateway's span ends with the response and goes out in the exporter's next batch
+    # (up to 5 s later), possibly after the engine's spans
+    while not servers():
+        assert time.monotonic() < deadline, "no server span"
+        time.sleep(0.1)
+    [server] = servers()
     assert by_attempt[0].trace_id == by_attempt[1].trace_id == server.trace_id
     processes = [
         s
