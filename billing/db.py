@@ -7,7 +7,9 @@ CLI can write while `sluice serve` runs. Migrations are Alembic's, configured in
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,9 +80,27 @@ def is_current(engine: sa.Engine) -> bool:
 
 def ensure_migrated(engine: sa.Engine) -> None:
     """Migrate when behind (embedded first use); cheap when already at head."""
-    if not is_current(engine):
-        logger.info("migrating billing database %s", engine.url.render_as_string())
-        migrate(engine)
+    with _migration_lock(engine):
+        if not is_current(engine):
+            logger.info("migrating billing database %s", engine.url.render_as_string())
+            migrate(engine)
+
+
+@contextmanager
+def _migration_lock(engine: sa.Engine) -> Iterator[None]:
+    """One migrating process at a time on an embedded database: `sluice up` starts the
+    billing and quota workers together, and the second to migrate failed on a table the
+    first had just made. PostgreSQL's migrations run once, by `sluice migrate`."""
+    path = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not path or path == ":memory:":
+        yield
+        return
+    lock = os.open(f"{path}.migrate-lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+    finally:
+        os.close(lock)
 
 
 class Database:

@@ -267,9 +267,11 @@ class EngineWorker:
         deltas = asyncio.create_task(self._delta_loop(), name="engine-deltas")
         ticker = asyncio.create_task(self._tick_loop(), name="engine-ticks")
         poll = asyncio.create_task(self._poll_loop(), name="engine-poll")
+        stopping_at = self._loop.time()
         try:
             while not self._stop.is_set() and not poll.done():
                 await asyncio.sleep(0.02)
+            stopping_at = self._loop.time()
             if not self._abandon:
                 await self._drain()  # the poll loop goes on, every lane paused
             self._polling = False
@@ -284,7 +286,14 @@ class EngineWorker:
             if self._abandon:
                 deltas.cancel()
                 self._flow.publisher.close()
+            drained_at = self._loop.time()
             await self._shutdown(deltas, poll)
+            logger.info(
+                "worker=%s stopped: drain %.1fs, shutdown %.1fs",
+                self.worker_id,
+                drained_at - stopping_at,
+                self._loop.time() - drained_at,
+            )
         if not self.stats.healthy:
             raise EngineDeadError("the engine died; this worker stopped")
 

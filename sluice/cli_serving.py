@@ -576,6 +576,7 @@ def up(
         tansu_bin=settings.tansu_bin,
         metrics_targets=settings.data_dir.expanduser() / METRICS_TARGETS_FILE,
         gateway_address=f"{_local(settings.host)}:{settings.port}",
+        engine_drain_timeout_s=settings_or_exit(EngineWorkerSettings).drain_timeout_s,
     )
     raise typer.Exit(code)
 

@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 # Shutdown stages, stopped in this order (the broker after all of them).
 GATEWAY, ENGINE, CONSUMERS = 0, 1, 2
-# An engine worker's drain (`drain_timeout_s`, 30 s by default) plus its flush and commit.
-ENGINE_STOP_TIMEOUT_S = 45.0
+# What an engine worker may take after its drain (`drain_timeout_s`): aborted requests'
+# last steps (5 s), publisher flushes (15 s), engine and task shutdown (15 s), and the
+# wait for its group to settle before it leaves (`bus.kafka.SETTLE_BEFORE_LEAVING_S`).
+ENGINE_STOP_AFTER_DRAIN_S = 45.0
 
 
 @dataclass
@@ -193,6 +195,7 @@ def run_up(
     tansu_bin: Path | None = None,
     metrics_targets: Path | None = None,
     gateway_address: str | None = None,
+    engine_drain_timeout_s: float = 30.0,
 ) -> int:
     """Run the stack until Ctrl-C/SIGTERM; returns the exit code.
 
@@ -201,6 +204,8 @@ def run_up(
     `tansu_bin`: the broker's binary when one is started (None: `tansu_binary()`'s default).
     `metrics_targets`: where to write the Prometheus targets of every child
     (`assign_metrics_ports`), `gateway_address` (host:port) being the gateway's.
+    `engine_drain_timeout_s`: the engine workers' drain timeout, which their stop timeout
+    (SIGKILL past it) exceeds.
     """
     env = dict(os.environ)
     broker: TansuBroker | None = None
@@ -223,7 +228,7 @@ def run_up(
             f"engine-worker-{i}",
             sluice_argv("worker", "engine", *worker_args),
             stage=ENGINE,
-            stop_timeout_s=ENGINE_STOP_TIMEOUT_S,
+            stop_timeout_s=engine_drain_timeout_s + ENGINE_STOP_AFTER_DRAIN_S,
         )
         for i in range(engine_workers)
     ]

@@ -58,6 +58,8 @@ def make_celery(broker_url: str | None, *, sweep_interval_s: float = 10.0) -> Ce
     )
     holder: dict[str, BatchRunner] = {}
     app.conf.sluice_runner = holder
+    # shared=False: a shared task is added to every app made later in the process, where
+    # it would run the first app's runner
 
     def runner() -> BatchRunner:
         bound = holder.get("runner")
@@ -65,19 +67,19 @@ def make_celery(broker_url: str | None, *, sweep_interval_s: float = 10.0) -> Ce
             raise RuntimeError("no BatchRunner bound to this Celery app (bind_runner)")
         return bound
 
-    @app.task(name=VALIDATE)  # type: ignore[untyped-decorator]
+    @app.task(name=VALIDATE, shared=False)  # type: ignore[untyped-decorator]
     def validate(batch_id: str) -> None:
         runner().validate(batch_id)
 
-    @app.task(name=CANCEL)  # type: ignore[untyped-decorator]
+    @app.task(name=CANCEL, shared=False)  # type: ignore[untyped-decorator]
     def cancel(batch_id: str) -> None:
         runner().cancel(batch_id)
 
-    @app.task(name=FINALIZE)  # type: ignore[untyped-decorator]
+    @app.task(name=FINALIZE, shared=False)  # type: ignore[untyped-decorator]
     def finalize(batch_id: str) -> None:
         runner().finalize(batch_id)
 
-    @app.task(name=SWEEP)  # type: ignore[untyped-decorator]
+    @app.task(name=SWEEP, shared=False)  # type: ignore[untyped-decorator]
     def sweep() -> None:
         runner().sweep()
 

@@ -66,3 +66,28 @@ def test_migrating_twice_is_a_no_op(tmp_path: Path, revision: str) -> None:
     migrate(engine, revision)
     assert tables(engine) == TABLES
     engine.dispose()
+
+
+def _migrate_embedded(path: str) -> None:
+    from billing.db import ensure_migrated
+
+    ensure_migrated(make_engine(f"sqlite:///{path}"))
+
+
+def test_processes_starting_together_migrate_an_embedded_database_once(tmp_path: Path) -> None:
+    """`sluice up` starts the billing and quota workers at once on one embedded database;
+    the second to migrate used to fail ("table model_prices already exists")."""
+    import multiprocessing
+
+    path = str(tmp_path / "sluice.db")
+    procs = [
+        multiprocessing.get_context("fork").Process(target=_migrate_embedded, args=(path,))
+        for _ in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0] * 4
+    engine = make_engine(f"sqlite:///{path}")
+    assert tables(engine) == TABLES and is_current(engine)
