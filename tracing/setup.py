@@ -68,11 +68,11 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
     if protocol != "http/protobuf":
         logger.warning("OTLP protocol %s is not installed; exporting http/protobuf", protocol)
     # imported here: the exporter pulls in requests and protobuf, needed only when used
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from tracing.otlp_wire import FastOTLPSpanExporter
 
-    # the exporter reads its endpoint (adding /v1/traces to the generic one), headers
-    # and timeout from the same variables
-    return OTLPSpanExporter()
+    # the SDK's exporter (with our encoder) reads its endpoint (adding /v1/traces to the
+    # generic one), headers and timeout from the same variables
+    return FastOTLPSpanExporter()
 
 
 def build_tracer_provider(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
+from tracing.otlp_wire import FastOTLPSpanExporter
 from tracing.setup import build_tracer_provider, exporter_from_env
 
 
@@ -15,7 +16,7 @@ def test_nothing_configured_is_no_exporter() -> None:
 
 def test_an_endpoint_alone_asks_for_otlp() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
-    assert isinstance(exporter_from_env(env), OTLPSpanExporter)
+    assert isinstance(exporter_from_env(env), FastOTLPSpanExporter)
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}
     assert isinstance(exporter_from_env(env), OTLPSpanExporter)
 
