@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from sluice.settings import EngineWorkerSettings, GatewaySettings
+from sluice.up import ENGINE_STOP_AFTER_DRAIN_S
 from tests.unit.deploy.sluice_checks import (
     ROOT,
     SCHEMAS,
@@ -160,7 +161,7 @@ def test_engine_workers_scale_and_drain(compose: dict[str, Any]) -> None:
     assert "container_name" not in engine and "ports" not in engine
     drain_s = float(_env(engine)["SLUICE_DRAIN_TIMEOUT_S"])
     assert drain_s == EngineWorkerSettings.model_fields["drain_timeout_s"].default
-    assert _seconds(engine["stop_grace_period"]) >= drain_s + 10
+    assert _seconds(engine["stop_grace_period"]) >= drain_s + ENGINE_STOP_AFTER_DRAIN_S
 
 
 def _seconds(duration: str) -> float:

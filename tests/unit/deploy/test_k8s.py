@@ -22,6 +22,7 @@ import yaml
 
 from bus.topics import REQUEST_TOPICS, Lane, request_topic
 from sluice.settings import BusSettings, EngineWorkerSettings
+from sluice.up import ENGINE_STOP_AFTER_DRAIN_S
 from tests.unit.deploy.kustomize import Manifest, render
 from tests.unit.deploy.sluice_checks import (
     ROOT,
@@ -45,7 +46,6 @@ KAFKA_SCALER_PARAMETERS = {
     "ensureEvenDistributionOfPartitions", "version", "tls", "unsafeSsl", "sasl",
     "saslTokenProvider", "awsRegion",
 }  # fmt: skip
-DRAIN_MARGIN_S = 10  # past the drain: the last flush and offset commit
 
 
 @pytest.fixture(scope="module", params=OVERLAYS, ids=lambda p: p.name)
@@ -214,7 +214,7 @@ def test_engine_workers_get_their_drain_before_sigkill(overlay: list[Manifest]) 
     drain_s = float(_environment(overlay, _container(engine))["SLUICE_DRAIN_TIMEOUT_S"])
     assert drain_s == EngineWorkerSettings.model_fields["drain_timeout_s"].default
     grace_s = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace_s >= drain_s + DRAIN_MARGIN_S
+    assert grace_s >= drain_s + ENGINE_STOP_AFTER_DRAIN_S
     assert engine["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
 
