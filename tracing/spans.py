@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
@@ -142,15 +143,24 @@ def without_none(attrs: Mapping[str, AttributeValue | None]) -> dict[str, Attrib
 class SendSpan:
     """The PRODUCER `send <topic>` span of one publish call (the records of one HTTP call
     go to one lane's topic): a child of the current span, its context in the records'
-    headers (`headers`), ended when the broker confirmed every record or failed one."""
+    headers (`headers`), ended when the broker confirmed every record or failed one. A
+    batch line's (`batch_id`) is the root of the line's trace."""
 
-    def __init__(self, topic: str, key: str, request_id: str, count: int = 1) -> None:
+    def __init__(
+        self, topic: str, key: str, request_id: str, count: int = 1, batch_id: str | None = None
+    ) -> None:
         attrs = kafka_attributes("send", topic, key=key if count == 1 else None)
         attrs[REQUEST_ID] = request_id
         if count > 1:
             attrs[MESSAGING_BATCH_COUNT] = count
+        if batch_id is not None:
+            attrs[BATCH_ID] = batch_id
         self.span = tracer().start_span(
-            send_span_name(topic), kind=trace.SpanKind.PRODUCER, attributes=attrs
+            send_span_name(topic),
+            # a batch line is a trace of its own (a batch of 50,000 lines is no one trace)
+            context=otel_context.Context() if batch_id is not None else None,
+            kind=trace.SpanKind.PRODUCER,
+            attributes=attrs,
         )
         self._single = count == 1  # where a record landed is an attribute of its own span
         self._pending = 0

@@ -43,6 +43,7 @@ from consumers.batches.lines import (
     unrun_line,
 )
 from tracing.propagation import inject_headers
+from tracing.spans import SendSpan
 
 logger = logging.getLogger(__name__)
 
@@ -250,22 +251,25 @@ class BatchRunner:
         ):
             futures: list[Future[Delivered]] = []
             lines: list[int] = []
-            headers = inject_headers()
+            topic = request_topic(Lane.BATCH)
             for info in chunk:
                 ready = prepared.pop(info.line, None)
                 if ready is None:
                     ready = self._prepare(
                         batch, principal, info.line, info.custom_id, json.loads(info.body)
                     )
-                for request in ready.call.requests:
-                    futures.append(
-                        self.bus.publish(
-                            request_topic(Lane.BATCH),
-                            encode(request),
-                            key=request.tenant_id.encode(),
-                            headers=headers,
-                        )
-                    )
+                requests = ready.call.requests
+                # each line's trace starts at its send span (nothing when tracing is off)
+                send = SendSpan(
+                    topic, batch.tenant_id, requests[0].request_id, len(requests), batch_id
+                )
+                headers = send.headers()
+                sent = [
+                    self.bus.publish(topic, encode(r), key=r.tenant_id.encode(), headers=headers)
+                    for r in requests
+                ]
+                send.end_when_sent(sent)
+                futures += sent
                 lines.append(info.line)
             for future in futures:
                 future.result(self.config.publish_timeout_s)

@@ -8,19 +8,26 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from api.prepare import RequestLimits
 from billing.batch_store import BatchInfo, BatchStore
 from billing.db import Database, embedded_url
 from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from bus.topics import Lane, TopicLayout, request_topic
 from consumers.batches.collector import BatchCollector
 from consumers.batches.lines import line_call_id, parse_file, parse_request_id
 from consumers.batches.runner import BatchConfig, BatchRunner, StepLease
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.consumers.batch_replies import delta, publish
+from tests.unit.tracing.memory_spans import by_name, span_id, spans, trace_id
+from tracing import spans as names
+
+__all__ = ["spans"]  # the fixture
 
 MODEL = served_model("tiny", max_model_len=256)
 CHAT = "/v1/chat/completions"
@@ -284,3 +291,38 @@ def test_a_step_killed_holding_its_batch_is_rerun_by_the_sweep_once_its_lease_la
     assert [x["custom_id"] for x in output_lines(store, done, done.output_file_id)] == [
         f"l{i}" for i in range(5)
     ]
+
+
+def test_each_line_is_a_trace_rooted_in_its_send_span(
+    store: BatchStore,
+    bus: MemoryEventBus,
+    spans: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine-side spans of a line's attempts (parented to the context in its
+    records' headers) join that line's trace; each line's trace is its own."""
+    topic = request_topic(Lane.BATCH)
+    parents: list[str] = []
+    publish = bus.publish
+
+    def recording(topic_: str, value: bytes, **kwargs: Any) -> Any:
+        if topic_ == topic:
+            parents.append(dict(kwargs["headers"])["traceparent"].decode().split("-")[2])
+        return publish(topic_, value, **kwargs)
+
+    monkeypatch.setattr(bus, "publish", recording)
+    batch = create(store, chat("a") + "\n" + chat("b", n=2) + "\n")
+    make_runner(store, bus).validate(batch.id)
+
+    def sends() -> list[ReadableSpan]:
+        return by_name(spans.get_finished_spans(), f"send {topic}")
+
+    wait_until(lambda: len(sends()) == 2)
+    first, second = sends()
+    assert first.parent is None and second.parent is None
+    assert trace_id(first) != trace_id(second)
+    assert [s.attributes[names.BATCH_ID] for s in (first, second)] == [batch.id, batch.id]
+    assert second.attributes[names.MESSAGING_BATCH_COUNT] == 2  # n=2: two records
+    assert first.attributes[names.REQUEST_ID] == f"req_{line_call_id(batch.id, 0)}"
+    # the line's records carry its span as their parent
+    assert parents == [f"{span_id(s):016x}" for s in (first, second, second)]
