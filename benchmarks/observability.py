@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from benchmarks.http_servers import Launch, Server, servers
-from benchmarks.stats import percentile, ratio
+from benchmarks.stats import mean_ci95, percentile, ratio
 from bus.tansu import free_port
 
 TARGETS = {"added_ttft_p50_ms_max": 1.0, "throughput_on_vs_off_min": 0.97}
@@ -504,16 +504,19 @@ async def _run_async(workdir: Path, plan: Plan) -> dict[str, Any]:
     spans = spans_after - spans_before
     names = names_after - names_before
     off_s, on_s = figures["off"].summary(), on.summary()
+    # each ON round against the OFF round just before it: the spread shows the noise
+    round_ratios = [
+        ratio(b, a)
+        for a, b in zip(off_s["tokens_per_s_rounds"], on_s["tokens_per_s_rounds"], strict=True)
+    ]
     return {
         "arms": {"off": off_s, "on": on_s},
         "added_ttft_p50_ms": round(on_s["ttft_p50_ms"] - off_s["ttft_p50_ms"], 2),
         "added_ttft_p99_ms": round(on_s["ttft_p99_ms"] - off_s["ttft_p99_ms"], 2),
         "throughput_ratio": ratio(on_s["tokens_per_s"], off_s["tokens_per_s"]),
-        # each ON round against the OFF round just before it: the spread shows the noise
-        "throughput_ratio_rounds": [
-            ratio(b, a)
-            for a, b in zip(off_s["tokens_per_s_rounds"], on_s["tokens_per_s_rounds"], strict=True)
-        ],
+        "throughput_ratio_rounds": round_ratios,
+        # the per-round ratios' mean and its 95 % interval: how far one run resolves it
+        "throughput_ratio_rounds_mean_ci95": [round(x, 3) for x in mean_ci95(round_ratios)],
         "added_serve_cpu_ms_per_request": round(
             on_s["serve_cpu_ms_per_request"] - off_s["serve_cpu_ms_per_request"], 2
         ),
@@ -612,7 +615,9 @@ def render(result: dict[str, Any]) -> str:
     lines += [
         f"added TTFT p50 (ON - OFF): {result['added_ttft_p50_ms']} ms; p99: "
         f"{result['added_ttft_p99_ms']} ms; throughput ON / OFF: {result['throughput_ratio']}x"
-        f" (per round: {result['throughput_ratio_rounds']})",
+        f" (per round: {result['throughput_ratio_rounds']}; their mean and 95 % interval: "
+        f"{result['throughput_ratio_rounds_mean_ci95'][0]} ± "
+        f"{result['throughput_ratio_rounds_mean_ci95'][1]})",
         f"CPU per request, serve process / engine process: OFF {off['serve_cpu_ms_per_request']}"
         f" / {off['engine_cpu_ms_per_request']} ms, ON {on['serve_cpu_ms_per_request']} / "
         f"{on['engine_cpu_ms_per_request']} ms ({off['requests']} / {on['requests']} requests);"
