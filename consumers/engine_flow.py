@@ -42,6 +42,7 @@ from consumers.work_item import (
     DEADLINE,
     FENCED,
     FINISHED,
+    HANDED_OVER,
     LENGTH,
     LOST,
     STOPPED,
@@ -160,8 +161,22 @@ class RequestFlow:
     def num_held(self) -> int:
         return len(self._items)
 
-    def running_ids(self) -> list[str]:
-        return [i.request_id for i in self._items.values() if i.state is ItemState.RUNNING]
+    def end_running(self) -> None:
+        """At the drain's deadline: abort what still runs. With a shared progress store
+        each is handed over (silent, its offset uncommitted), so the partition's next owner
+        resumes it as after a kill -9 and its client gets every token; with this process's
+        own store nobody could resume it, and its client gets 'abort'."""
+        hand_over = not self.progress.in_process
+        for item in [i for i in self._items.values() if i.state is ItemState.RUNNING]:
+            logger.info(
+                "request_id=%s tenant_id=%s %s by the drain after %s tokens",
+                *_ids(item),
+                "handed over" if hand_over else "aborted",
+                item.num_generated,
+            )
+            if hand_over:
+                item.stop(HANDED_OVER)
+            self.backend.abort(item.request_id)
 
     def cancel_tasks(self) -> None:
         for task in list(self._tasks):
@@ -598,7 +613,8 @@ class RequestFlow:
             self.stats.finished += 1
             item.done()
             self._forget(item)
-            self.offsets.done(item.tp, item.offset)
+            if not item.handed_over:
+                self.offsets.done(item.tp, item.offset)
         self._update_snapshot()
         self.refresh_stats()
 

@@ -99,10 +99,11 @@ def build_step(
         if delta.finished:
             item.finishing()
             out.finished.append(item)
-            timings = _timings(item)
-            usage = usage_record(item, delta, timings)
-            out.usage.append(usage)
-            out.telemetry.append(telemetry_record(item, usage, worker_id))
+            if not item.handed_over:
+                timings = _timings(item)
+                usage = usage_record(item, delta, timings)
+                out.usage.append(usage)
+                out.telemetry.append(telemetry_record(item, usage, worker_id))
         if item.silent:
             continue
         if delta.token_ids or delta.text or delta.finished:

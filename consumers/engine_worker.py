@@ -440,9 +440,7 @@ class EngineWorker:
         flow.stopping = True
         while flow.num_in_engine and loop.time() < deadline and self.stats.healthy:
             await asyncio.sleep(0.02)
-        for request_id in flow.running_ids():
-            logger.info("request_id=%s aborted by drain", request_id)
-            self.backend.abort(request_id)
+        flow.end_running()
         while flow.num_in_engine and loop.time() < deadline + 5.0 and self.stats.healthy:
             await asyncio.sleep(0.02)
         await self._flow.publisher.flush(timeout_s=10.0)

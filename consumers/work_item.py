@@ -66,9 +66,12 @@ class EndKind(enum.Enum):
     LOST = "lost"  # its partition went to another member, who answers it
     FENCED = "fenced"  # a newer attempt began elsewhere
     STOPPED = "stopped"  # the engine died for good; this worker stops uncommitted
+    # still running at the drain's deadline: its offset stays uncommitted and the
+    # partition's next owner resumes it from its recorded progress, as after a kill -9
+    HANDED_OVER = "handed_over"
 
 
-_SILENT = frozenset({EndKind.LOST, EndKind.FENCED, EndKind.STOPPED})
+_SILENT = frozenset({EndKind.LOST, EndKind.FENCED, EndKind.STOPPED, EndKind.HANDED_OVER})
 _FINISH_REASONS: dict[EndKind, FinishReason] = {
     EndKind.ABORTED: "abort",
     EndKind.DEADLINE: "deadline",
@@ -77,6 +80,7 @@ _FINISH_REASONS: dict[EndKind, FinishReason] = {
     EndKind.LOST: "abort",
     EndKind.FENCED: "abort",
     EndKind.STOPPED: "abort",
+    EndKind.HANDED_OVER: "abort",
 }
 
 
@@ -114,6 +118,7 @@ FINISHED = EndReason(EndKind.FINISHED)
 LOST = EndReason(EndKind.LOST)
 FENCED = EndReason(EndKind.FENCED)
 STOPPED = EndReason(EndKind.STOPPED)
+HANDED_OVER = EndReason(EndKind.HANDED_OVER)
 
 
 @dataclass(slots=True, eq=False)
@@ -161,6 +166,12 @@ class WorkItem:
     def silent(self) -> bool:
         """Lost or fenced: publish usage only, never deltas or progress."""
         return self.end is not None and self.end.silent
+
+    @property
+    def handed_over(self) -> bool:
+        """Its next owner resumes it: no usage from here (that owner bills this attempt
+        from the recorded progress), and its offset is never released."""
+        return self.end is not None and self.end.kind is EndKind.HANDED_OVER
 
     # -- transitions ----------------------------------------------------------------
     def start(self) -> None:

@@ -1,6 +1,8 @@
 """The failover scenario, shared by the memory and Redis progress-store tests.
 
-Worker A streams a long greedy request and dies (no drain, no commit); worker B gets the
+Worker A streams a long greedy request and dies (no drain, no commit), or is drained
+with the request still running at the drain's deadline (it hands the request over:
+nothing final to the client, no usage, its offset uncommitted); worker B gets the
 partition after the rebalance and resumes from the progress store with attempt + 1.
 Under the gateway's rules (fence by attempt, dedupe by absolute offsets) the client
 sees exactly the uninterrupted greedy output, and the usage records of both attempts
@@ -17,7 +19,9 @@ from tests.unit.consumers.engine_harness import Client, WorkerThread, create_top
 MAX_TOKENS = 60
 
 
-def run_failover(progress_a: ProgressStore, progress_b: ProgressStore, request_id: str) -> None:
+def run_failover(
+    progress_a: ProgressStore, progress_b: ProgressStore, request_id: str, drain: bool = False
+) -> None:
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
     client = Client(bus)
@@ -26,7 +30,13 @@ def run_failover(progress_a: ProgressStore, progress_b: ProgressStore, request_i
     a = WorkerThread(bus, backend_a, progress=progress_a, worker_id="a").start()
     client.send(request, make_request(f"{request_id}-short", prompt=[1], max_tokens=2))
     client.wait(lambda: len(client.view.streams.get(request_id, _NONE).token_ids) >= 15)
-    a.abandon()  # kill -9: no terminal delta, no usage, no commit
+    if drain:  # SIGTERM, and the request outlasts the drain
+        a.worker.stop(drain_timeout_s=0.05)
+        a.thread.join(10)
+        assert not a.thread.is_alive() and a.error is None
+        assert request_id in backend_a.aborts
+    else:
+        a.abandon()  # kill -9: no terminal delta, no usage, no commit
     client.pump(0.05)  # everything A published before it died
     delivered_by_a = len(client.view.streams[request_id].token_ids)
     assert client.view.streams[request_id].finish_reason is None
@@ -53,7 +63,7 @@ def run_failover(progress_a: ProgressStore, progress_b: ProgressStore, request_i
     assert resumed.sampling_params.max_tokens == MAX_TOKENS - num_resumed
     assert resumed.num_resumed_tokens == num_resumed  # its text continues A's exactly
     usage = sorted((u for u in client.usage if u.request_id == request_id), key=lambda u: u.attempt)
-    # A's usage comes from B (a kill -9 publishes none): what A's progress says it
+    # A's usage comes from B (a kill -9 or a hand-over publishes none): what A's progress says it
     # published; together the attempts bill exactly the tokens the client received
     assert [(u.attempt, u.completion_tokens) for u in usage] == [
         (0, num_resumed),

@@ -14,6 +14,17 @@ def test_a_dead_workers_stream_continues_on_another_with_every_token_once() -> N
     run_failover(store, store, "fo-memory")
 
 
+class SharedMemoryProgressStore(MemoryProgressStore):
+    """Stands for a store other processes see (Redis): a drained worker hands over."""
+
+    in_process = False
+
+
+def test_a_request_outlasting_the_drain_continues_on_another_worker_with_every_token_once() -> None:
+    store = SharedMemoryProgressStore()
+    run_failover(store, store, "fo-drain", drain=True)
+
+
 def test_a_zombie_attempt_is_fenced_and_aborts_without_a_terminal_delta() -> None:
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
