@@ -507,6 +507,54 @@ static void attn_chunk(void *ctx, int64_t task) {
     free(s);
 }
 
+/* one (request, KV head) of sluice_attn_decode: its G query heads together, so each key
+   and value row is read once for all of them (a query head at a time streamed the
+   request's keys G times) */
+#define ATTN_MAX_G 16
+static void attn_group_chunk(void *ctx, int64_t task) {
+    attn_job *a = ctx;
+    const int64_t Hq = a->Hq, Hkv = a->Hkv, D = a->D, bs = a->bs, nblk = a->nblk;
+    const int64_t row = 2 * Hkv * D, G = Hq / Hkv;
+    const int64_t p = task / Hkv, kvh = task % Hkv;
+    const int64_t end = a->num_keys[p];
+    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
+    const int64_t n = end - start;
+    const int64_t *table = a->table + p * nblk;
+    const size_t esize = a->cache_bf16 ? 2 : 4;
+    const float *q = a->qkv + p * a->qs + kvh * G * D;
+    float *o = a->out + (p * Hq + kvh * G) * D;
+    float mx[ATTN_MAX_G], sum[ATTN_MAX_G];
+    float *s = malloc((size_t)(G * n + 1) * sizeof(float));
+    if (!s) {
+        atomic_store(&a->bad, 1);
+        return;
+    }
+    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t j = start; j < end; j++) {
+        const int64_t off = (table[j / bs] * bs + j % bs) * row + kvh * D;
+        const char *k = (const char *)a->cache + off * esize;
+        for (int64_t g = 0; g < G; g++) {
+            float v = (a->cache_bf16 ? dot_bf16(q + g * D, (const uint16_t *)k, D)
+                                     : dot(q + g * D, (const float *)k, D)) * a->scale;
+            s[g * n + j - start] = v;
+            mx[g] = v > mx[g] ? v : mx[g];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < n; j++) t += (s[g * n + j] = expf(s[g * n + j] - mx[g]));
+        sum[g] = t;
+    }
+    for (int64_t i = 0; i < G * D; i++) o[i] = 0.0f;
+    for (int64_t j = start; j < end; j++) {
+        const int64_t off = (table[j / bs] * bs + j % bs) * row + (Hkv + kvh) * D;
+        const char *v = (const char *)a->cache + off * esize;
+        for (int64_t g = 0; g < G; g++)
+            axpy(o + g * D, s[g * n + j - start] / sum[g], v, D, a->cache_bf16);
+    }
+    free(s);
+}
+
 /* One decode step of P requests (one query token each) over the paged cache
    [blocks, bs, 2, Hkv, D] (K then V per slot; fp32, or bf16 when cache_bf16). Row p of
    `qkv` (stride `qs` floats) holds the request's q (Hq*D) then its new K|V (2*Hkv*D),
@@ -534,6 +582,9 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
     if (maxk > nblk * bs) return -1;
     attn_job job = {qkv, qs, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale,
                     out, cache_bf16, 0};
-    parallel_for(attn_chunk, &job, P * Hq, threads);
+    if (Hq / Hkv <= ATTN_MAX_G)
+        parallel_for(attn_group_chunk, &job, P * Hkv, threads);
+    else
+        parallel_for(attn_chunk, &job, P * Hq, threads);
     return atomic_load(&job.bad) ? -2 : 0;
 }

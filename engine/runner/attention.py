@@ -64,8 +64,9 @@ class AttentionMetadata:
     num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
     # any other step with decoding requests, on one CPU thread (`sluice serve`'s engine):
     # their attention runs on the paged decode kernel (`CpuOps.attn_decode`), reading the
-    # blocks in place, where gather + SDPA copies every key first; on two threads the two
-    # take the same time (benchmarks/RESULTS.md, Engine, 2026-12-03 fourth session)
+    # blocks in place, where gather + SDPA copies every key first; on two threads, where
+    # its helper threads meet torch's, the gain was small (benchmarks/RESULTS.md, Engine,
+    # 2026-12-03 fourth session)
     decode_ops: CpuOps | None = None
     decode_num_keys: torch.Tensor | None = None  # [P] int64, the decode group's
 
