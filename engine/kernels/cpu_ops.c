@@ -582,7 +582,7 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
     if (maxk > nblk * bs) return -1;
     attn_job job = {qkv, qs, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale,
                     out, cache_bf16, 0};
-    if (Hq / Hkv <= ATTN_MAX_G)
+    if (Hq / Hkv <= ATTN_MAX_G && P * Hkv >= threads)  /* else a head per task: more of them */
         parallel_for(attn_group_chunk, &job, P * Hkv, threads);
     else
         parallel_for(attn_chunk, &job, P * Hq, threads);

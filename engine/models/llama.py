@@ -183,7 +183,7 @@ class DecoderLayer(nn.Module):
         rot = torch.view_as_complex(qk.float().view(t, -1, self.head_dim // 2, 2)) * rope
         qk.copy_(torch.view_as_real(rot).view(t, qk_size))
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window, qkv)
+        attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
         h = h.add_(self.o_proj.forward(attn.reshape(t, q_size)))
         x = rms_norm(h, self.post_attention_layernorm, self.eps, self.compute_dtype)
         gu = self.gate_up_proj.forward(x)

@@ -62,13 +62,6 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [P] int64
     block_table: torch.Tensor | None = None  # [P, nblk] int64
     num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
-    # any other step with decoding requests, on one CPU thread (`sluice serve`'s engine):
-    # their attention runs on the paged decode kernel (`CpuOps.attn_decode`), reading the
-    # blocks in place, where gather + SDPA copies every key first; on two threads, where
-    # its helper threads meet torch's, the gain was small (benchmarks/RESULTS.md, Engine,
-    # 2026-12-03 fourth session)
-    decode_ops: CpuOps | None = None
-    decode_num_keys: torch.Tensor | None = None  # [P] int64, the decode group's
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""
@@ -103,10 +96,8 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None,
-    qkv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] and kv [T, 2*Hkv*D] (K then V) for this step's tokens -> [T, Hq, D].
-    `qkv`: the rows q and kv are views of ([T, (Hq + 2*Hkv)*D]), for the decode kernel."""
+    """q [T, Hq, D] and kv [T, 2*Hkv*D] (K then V) for this step's tokens -> [T, Hq, D]."""
     nb, bs = kv_cache.shape[:2]
     flat = kv_cache.view(nb * bs, kv.shape[1])
     if meta.slot is not None:  # one token: a view and a copy beat index_copy_ (~10 µs)
@@ -114,33 +105,12 @@ def paged_attention(
     else:
         flat.index_copy_(0, meta.slot_mapping, kv)
     if len(meta.groups) == 1 and meta.groups[0].num_rows == q.shape[0]:
-        return _attend(q, qkv, kv_cache, meta, meta.groups[0], window)
+        return _group_attention(q, kv_cache, meta, meta.groups[0], window)
     out = torch.empty_like(q)
     for grp in meta.groups:
         rows = slice(grp.row_start, grp.row_start + grp.num_rows)
-        out[rows] = _attend(q[rows], qkv, kv_cache, meta, grp, window)
+        out[rows] = _group_attention(q[rows], kv_cache, meta, grp, window)
     return out
-
-
-def _attend(
-    q: torch.Tensor,
-    qkv: torch.Tensor | None,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    grp: AttentionGroup,
-    window: int | None,
-) -> torch.Tensor:
-    """One group's attention: the decode kernel for the decode group where `meta` asks
-    for it (it writes K|V again, the same values), else gather + SDPA."""
-    ops, num_keys = meta.decode_ops, meta.decode_num_keys
-    if ops is None or num_keys is None or qkv is None or grp.q_len != 1 or grp.row_start != 0:
-        return _group_attention(q, kv_cache, meta, grp, window)
-    p, hq, d = q.shape
-    rows = qkv[: grp.num_rows].float()
-    out = ops.attn_decode(
-        rows, hq, kv_cache, meta.slot_mapping[:p], grp.block_index.view(p, -1), num_keys, window
-    )
-    return out.view(p, hq, d).to(q.dtype)
 
 
 def _group_attention(

@@ -96,14 +96,6 @@ def prepare_inputs(
         meta.cpu_ops, meta.positions = cpu_ops, rows[1]
         meta.block_table = groups[0].block_index.view(len(decodes), -1)
         meta.num_keys = groups[0].query_pos.view(-1) + 1
-    elif (
-        cpu_ops is not None
-        and len(decodes) > 1
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.get_num_threads() == 1
-    ):
-        meta.decode_ops = cpu_ops
-        meta.decode_num_keys = groups[0].query_pos.view(-1) + 1
     return StepInputs(
         input_ids=rows[0],
         positions=rows[1],

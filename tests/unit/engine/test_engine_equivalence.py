@@ -116,40 +116,6 @@ def test_chunked_prefill_equals_whole_prefill(
     assert chunked == whole == baseline
 
 
-def test_the_paged_decode_kernel_on_one_thread_changes_nothing(
-    loaded: LoadedModel,
-    prompts: list[list[int]],
-    baseline: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On one thread, the decoding requests of a step with prefill chunks attend on the
-    paged decode kernel (`AttentionMetadata.decode_ops`), not gather + SDPA."""
-    from engine.runner import attention
-
-    seen: list[str] = []
-    attend, gather = attention._attend, attention._group_attention
-
-    def counting(fn: Any, name: str) -> Any:
-        def wrapped(*args: Any) -> torch.Tensor:
-            grp = next(a for a in args if isinstance(a, attention.AttentionGroup))
-            if grp.q_len == 1 and grp.num_requests > 1:
-                seen.append(name)
-            return fn(*args)
-
-        return wrapped
-
-    monkeypatch.setattr(attention, "_attend", counting(attend, "decode group"))
-    monkeypatch.setattr(attention, "_group_attention", counting(gather, "gathered"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        chunked, _ = generate(loaded, prompts, max_num_batched_tokens=7)
-    finally:
-        torch.set_num_threads(before)
-    assert chunked == baseline
-    assert "decode group" in seen and "gathered" not in seen
-
-
 def test_prefix_caching_hits_and_changes_nothing(
     loaded: LoadedModel, prompts: list[list[int]], baseline: dict[str, Any]
 ) -> None:
