@@ -97,7 +97,8 @@ class EndReason:
 
     @property
     def silent(self) -> bool:
-        """Publish usage only: no deltas, no progress (another member owns it now)."""
+        """No deltas, no progress: another member answers the request now (usage is still
+        published, but for a hand-over: `WorkItem.handed_over`)."""
         return self.kind in _SILENT
 
     @property
@@ -164,7 +165,7 @@ class WorkItem:
 
     @property
     def silent(self) -> bool:
-        """Lost or fenced: publish usage only, never deltas or progress."""
+        """Lost, fenced, stopped or handed over: never deltas or progress."""
         return self.end is not None and self.end.silent
 
     @property
