@@ -5,7 +5,8 @@ run (one warning, see `load_cpu_ops`) or when `EngineOptions.kernels` is off. Ca
 their torch path then. The shared library is cached per source hash under
 `EngineOptions.kernel_cache_dir` (default `~/.cache/sluice/kernels`), so a machine compiles it once
 (about a second). The GEMV uses AVX512-BF16 where the CPU has it (a function-level target,
-chosen at run time).
+chosen at run time), and so does `attn_paged`, the decode attention of large and mixed
+steps, which runs on torch's own OpenMP threads (`-fopenmp`: the process has one libgomp).
 
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
 microseconds of dispatch (benchmarks/RESULTS.md), around GEMVs that torch runs below memory
@@ -32,7 +33,7 @@ from engine.options import EngineOptions
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
 # Below `EngineOptions.kernel_parallel_min_work` multiply-adds a kernel runs on the calling
 # thread alone (sharing costs more than it saves). Above it the calling thread shares chunks
@@ -55,6 +56,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
     "sluice_attn_decode": (
         [_P, _I, _P, _P, _P, _I, _P, *[_I] * 6, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
+        ctypes.c_int,
+    ),
+    "sluice_attn_paged": (
+        [_P, _I, ctypes.c_int, _P, _P, _P, *[_I] * 8, ctypes.c_float, ctypes.c_int],
         ctypes.c_int,
     ),
 }
@@ -91,6 +96,7 @@ class CpuOps:
         self._rope = lib.sluice_rope
         self._silu_mul = lib.sluice_silu_mul
         self._attn = lib.sluice_attn_decode
+        self._paged = lib.sluice_attn_paged
 
     def bf16_linear(
         self,
@@ -162,6 +168,33 @@ class CpuOps:
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"attn_decode failed ({rc}): keys beyond the block table?")
+        return out
+
+    def attn_paged(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        table: torch.Tensor,
+        num_keys: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """q [P, Hq, D] (bf16 or fp32, rows may be strided: a view of the qkv output) of
+        one decoding request each, whose K|V are already in the bf16 cache, attends to its
+        keys (block `table` [P, nblk] int64, `num_keys` [P] int64) -> [P, Hq, D] in q's
+        dtype. Needs `bf16_dot` (AVX512-BF16), D a multiple of 32, Hq / Hkv <= 16."""
+        p, hq, d = q.shape
+        _, bs, _, hkv, _ = kv_cache.shape
+        if not self.bf16_dot or kv_cache.dtype != torch.bfloat16 or q.stride()[1:] != (d, 1):
+            raise TypeError("attn_paged takes a bf16 cache and q with contiguous heads")
+        out = torch.empty((p, hq, d), dtype=q.dtype)
+        rc = self._paged(
+            q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), out.data_ptr(),
+            kv_cache.data_ptr(), table.data_ptr(), table.shape[1], num_keys.data_ptr(),
+            window or 0, p, hq, hkv, d, bs, d**-0.5,
+            _threads(p * hq * d * table.shape[1] * bs * 2),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"attn_paged failed ({rc}): keys beyond the block table?")
         return out
 
 

@@ -588,3 +588,197 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
         parallel_for(attn_chunk, &job, P * Hq, threads);
     return atomic_load(&job.bad) ? -2 : 0;
 }
+
+/* ---- sluice_attn_paged: decode attention of many requests over a bf16 paged cache ----
+   The decode group of a mixed or large step (engine/runner/attention.py), where torch
+   gathers every request's blocks into a padded copy and runs SDPA over the padding too.
+   Here each (request, KV head) reads its own keys and values in place: scores of the KV
+   head's G query heads with VDPBF16PS (q and K are bf16 in a bf16 model: exact products,
+   fp32 sums), a two-pass softmax in fp32 with a vectorized exp, P.V accumulated in fp32
+   and rounded once. Tasks run on OpenMP threads: the team torch's own ops run on (one
+   libgomp in the process), so no second set of threads competes with it for the cores.
+   In the model every layer's keys come from beyond L2 (the weights streamed between
+   layers evict them): prefetching PF keys ahead, across blocks too, halved its time
+   (benchmarks/RESULTS.md, Engine). */
+
+DP_TARGET static inline __m512 widen16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* e^x for x <= 0 (a score minus the row's max), Cephes' expf polynomial: within 2 ulp */
+DP_TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define PAGED_MAX_G 16
+#define PAGED_MAX_D 256
+#define PF 4 /* keys ahead that are prefetched */
+
+typedef struct {
+    const void *q;
+    int64_t qs; /* elements between rows of q */
+    int q_bf16; /* q and out are bf16, else fp32 */
+    void *out;  /* [P, Hq, D], contiguous */
+    const uint16_t *cache;
+    const int64_t *table;
+    int64_t nblk;
+    const int64_t *num_keys;
+    int64_t window, Hq, Hkv, D, bs;
+    float scale;
+} paged_job;
+
+/* One (request, KV head). G and D are constants where the caller dispatches on them, so
+   the accumulators of the P.V loop stay in registers. */
+DP_TARGET static inline __attribute__((always_inline)) int paged_task(const paged_job *a,
+                                                                      int64_t task, const int G,
+                                                                      const int64_t D) {
+    const int64_t Hkv = a->Hkv, bs = a->bs, row = 2 * Hkv * D;
+    const int64_t p = task / Hkv, kvh = task % Hkv;
+    const int64_t end = a->num_keys[p];
+    const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
+    const int64_t n = end - start, n16 = (n + 15) & ~(int64_t)15;
+    const int64_t *table = a->table + p * a->nblk;
+    const int C = (int)(D / 32); /* 32 bf16 per VDPBF16PS */
+    __m512bh qv[PAGED_MAX_G * PAGED_MAX_D / 32];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) {
+            const int64_t at = p * a->qs + (kvh * G + g) * D + c * 32;
+            if (a->q_bf16) {
+                qv[g * C + c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)a->q + at);
+            } else {
+                const float *f = (const float *)a->q + at;
+                qv[g * C + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
+            }
+        }
+    float *s = aligned_alloc(64, (size_t)(G * n16) * sizeof(float));
+    if (!s) return 1;
+    float mx[PAGED_MAX_G];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t j = start; j < end;) { /* a block at a time: one division per block */
+        const int64_t b = j / bs, stop = (b + 1) * bs < end ? (b + 1) * bs : end;
+        const uint16_t *k = a->cache + (table[b] * bs + (j - b * bs)) * row + kvh * D;
+        if (stop < end) { /* the next block's first keys: scattered blocks defeat the prefetcher */
+            const uint16_t *next = a->cache + table[b + 1] * bs * row + kvh * D;
+            for (int64_t i = 0; i < PF && stop + i < end; i++)
+                for (int64_t c = 0; c < D; c += 32)
+                    _mm_prefetch((const char *)(next + i * row + c), _MM_HINT_T0);
+        }
+        for (; j < stop; j++, k += row) {
+            /* K a few keys ahead; this key's V for the P.V pass */
+            for (int64_t c = 0; c < D; c += 32) {
+                _mm_prefetch((const char *)(k + PF * row + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(k + Hkv * D + c), _MM_HINT_T1);
+            }
+            __m512bh kc[PAGED_MAX_D / 32];
+            for (int c = 0; c < C; c++) kc[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
+            for (int g = 0; g < G; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < C; c++) acc = _mm512_dpbf16_ps(acc, qv[g * C + c], kc[c]);
+                const float v = _mm512_reduce_add_ps(acc) * a->scale;
+                s[g * n16 + (j - start)] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
+        }
+    }
+    float inv[PAGED_MAX_G];
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * n16;
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n16; i += 16) {
+            const __mmask16 live = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_load_ps(sg + i), m)));
+            sum = _mm512_add_ps(sum, e);
+            if (a->q_bf16) { /* P.V takes the weights rounded to bf16, as torch's bf16 SDPA */
+                __m512i r = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
+                e = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+            }
+            _mm512_store_ps(sg + i, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* P.V, 64 values of D at a time: G * 4 accumulators */
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int V = D - d0 >= 64 ? 4 : (int)((D - d0) / 16);
+        __m512 acc[PAGED_MAX_G * 4];
+        for (int i = 0; i < G * 4; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = start; j < end;) {
+            const int64_t b = j / bs, stop = (b + 1) * bs < end ? (b + 1) * bs : end;
+            const uint16_t *v = a->cache + (table[b] * bs + (j - b * bs)) * row + (Hkv + kvh) * D + d0;
+            for (; j < stop; j++, v += row) {
+                __m512 vv[4];
+                for (int c = 0; c < V; c++) vv[c] = widen16(v + c * 16);
+                for (int g = 0; g < G; g++) {
+                    const __m512 w = _mm512_set1_ps(s[g * n16 + (j - start)]);
+                    for (int c = 0; c < V; c++)
+                        acc[g * 4 + c] = _mm512_fmadd_ps(w, vv[c], acc[g * 4 + c]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const int64_t at = (p * a->Hq + kvh * G + g) * D + d0;
+            const __m512 sc = _mm512_set1_ps(inv[g]);
+            for (int c = 0; c < V; c++) {
+                const __m512 o = _mm512_mul_ps(acc[g * 4 + c], sc);
+                if (a->q_bf16)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + at + c * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(o));
+                else
+                    _mm512_storeu_ps((float *)a->out + at + c * 16, o);
+            }
+        }
+    }
+    free(s);
+    return 0;
+}
+
+DP_TARGET static int paged_any(const paged_job *a, int64_t task) {
+    const int G = (int)(a->Hq / a->Hkv);
+    if (a->D == 64) {
+        switch (G) {
+            case 1: return paged_task(a, task, 1, 64);
+            case 2: return paged_task(a, task, 2, 64);
+            case 4: return paged_task(a, task, 4, 64);
+            case 8: return paged_task(a, task, 8, 64);
+        }
+    } else if (a->D == 128) {
+        switch (G) {
+            case 1: return paged_task(a, task, 1, 128);
+            case 4: return paged_task(a, task, 4, 128);
+            case 8: return paged_task(a, task, 8, 128);
+        }
+    }
+    return paged_task(a, task, G, a->D);
+}
+
+/* P requests, one query token each (row p of q, stride qs elements, Hq heads of D), attend
+   to keys [start, num_keys[p]) of the bf16 cache [blocks, bs, 2, Hkv, D] through table[p]
+   (nblk blocks), start = num_keys - window when window > 0. Their K|V are already written.
+   out: [P, Hq, D] in q's dtype (bf16 when q_bf16, else fp32). Needs AVX512-BF16 (the
+   caller checks), D a multiple of 32 up to 256, Hq / Hkv <= 16. */
+int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const uint16_t *cache,
+                      const int64_t *table, int64_t nblk, const int64_t *num_keys, int64_t window,
+                      int64_t P, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                      int threads) {
+    if (D % 32 || D > PAGED_MAX_D || Hq % Hkv || Hq / Hkv > PAGED_MAX_G) return -1;
+    for (int64_t p = 0; p < P; p++)
+        if (num_keys[p] < 1 || num_keys[p] > nblk * bs) return -1;
+    paged_job job = {q, qs, q_bf16, out, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale};
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads) reduction(| : bad)
+    for (int64_t task = 0; task < P * Hkv; task++) bad |= paged_any(&job, task);
+    return bad ? -2 : 0;
+}

@@ -62,6 +62,11 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [P] int64
     block_table: torch.Tensor | None = None  # [P, nblk] int64
     num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
+    # any other step's decoding requests, with a bf16 cache on an AVX512-BF16 CPU: their
+    # attention reads the blocks in place (`CpuOps.attn_paged`) where gather + SDPA copies
+    # every request's keys padded to the longest first (benchmarks/RESULTS.md, Engine)
+    paged_ops: CpuOps | None = None
+    decode_num_keys: torch.Tensor | None = None  # [P] int64, the decode group's
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""
@@ -105,12 +110,28 @@ def paged_attention(
     else:
         flat.index_copy_(0, meta.slot_mapping, kv)
     if len(meta.groups) == 1 and meta.groups[0].num_rows == q.shape[0]:
-        return _group_attention(q, kv_cache, meta, meta.groups[0], window)
+        return _attend(q, kv_cache, meta, meta.groups[0], window)
     out = torch.empty_like(q)
     for grp in meta.groups:
         rows = slice(grp.row_start, grp.row_start + grp.num_rows)
-        out[rows] = _group_attention(q[rows], kv_cache, meta, grp, window)
+        out[rows] = _attend(q[rows], kv_cache, meta, grp, window)
     return out
+
+
+def _attend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    grp: AttentionGroup,
+    window: int | None,
+) -> torch.Tensor:
+    """One group's attention: the paged kernel for the decode group where `meta` has it,
+    else gather + SDPA."""
+    ops, num_keys = meta.paged_ops, meta.decode_num_keys
+    if ops is None or num_keys is None or grp.q_len != 1 or grp.row_start != 0:
+        return _group_attention(q, kv_cache, meta, grp, window)
+    table = grp.block_index.view(grp.num_requests, -1)
+    return ops.attn_paged(q, kv_cache, table, num_keys, window)
 
 
 def _group_attention(

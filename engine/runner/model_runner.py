@@ -20,7 +20,7 @@ from engine.models.cpu_linear import (
     native_low_precision,
     pack_linears,
 )
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.options import EngineOptions
 from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
@@ -62,6 +62,13 @@ def upcast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     for m in model.modules():
         if isinstance(m, Int8Linear):
             m.set_output_dtype(dtype)
+
+
+def _paged_shape_ok(cfg: LlamaConfig) -> bool:
+    """Whether `CpuOps.attn_paged` takes this model's heads (D a multiple of 32 up to 256,
+    at most 16 query heads per KV head)."""
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    return cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and g <= 16
 
 
 def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
@@ -141,6 +148,10 @@ class ModelRunner:
             if self.device.type == "cpu" and model.has_rope_cache and _fp32_decode_ready(model)
             else None
         )
+        # the decode group of any other step: attention over the bf16 cache in place
+        ops = kernels.cpu_ops() if self.device.type == "cpu" else None
+        paged = ops is not None and ops.bf16_dot and _paged_shape_ok(mc)
+        self.paged_ops = ops if paged and self.dtype == torch.bfloat16 else None
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -158,6 +169,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 cpu_ops=self.cpu_ops,
+                paged_ops=self.paged_ops,
             )
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches

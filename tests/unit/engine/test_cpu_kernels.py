@@ -215,3 +215,89 @@ def test_bf16_model_with_native_bf16_decodes_through_the_kernels_with_the_same_t
             runner.cpu_ops = None
         tokens.append(run_greedy(runner, prompts, 12))
     assert tokens[0] == tokens[1]
+
+
+needs_bf16_dot = pytest.mark.skipif(
+    kernels.cpu_ops() is None or not kernels.cpu_ops().bf16_dot,  # type: ignore[union-attr]
+    reason="no AVX512-BF16 here",
+)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 64), (4, 4, 32), (16, 2, 128), (6, 2, 96)])
+def test_paged_attention_matches_sdpa_over_each_requests_keys(
+    window: int | None, q_dtype: torch.dtype, hq: int, hkv: int, d: int
+) -> None:
+    """Five requests of 1 to 40 keys over scattered blocks of a bf16 cache, q a strided
+    view of the qkv rows: each output equals SDPA in fp32 over that request's keys."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(7)
+    bs, lens = 4, [1, 9, 40, 17, 4]
+    cache = torch.randn(40, bs, 2, hkv, d, generator=g).to(torch.bfloat16)
+    order = torch.randperm(39, generator=g) + 1  # block 0 is the null block
+    width = max(-(-n // bs) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int64)
+    taken = 0
+    for i, n in enumerate(lens):
+        table[i, : -(-n // bs)] = order[taken : taken + -(-n // bs)]
+        taken += -(-n // bs)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16).to(q_dtype)
+    q = qkv[:, : hq * d].view(len(lens), hq, d)
+    out = ops.attn_paged(q, cache, table, torch.tensor(lens), window)
+    assert out.dtype == q_dtype
+    flat = cache.float().view(-1, 2, hkv, d)
+    for i, n in enumerate(lens):
+        keys = torch.cat([flat[b * bs : (b + 1) * bs] for b in table[i].tolist()])[:n]
+        if window is not None:
+            keys = keys[max(0, n - window) :]
+        k = keys[:, 0].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [hq, n, d]
+        v = keys[:, 1].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], k, v)
+        tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
+        torch.testing.assert_close(out[i].float(), ref[:, 0], rtol=tol, atol=tol)
+
+
+@needs_bf16_dot
+def test_paged_attention_rejects_keys_beyond_the_table() -> None:
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    cache = torch.zeros(4, 4, 2, 2, 32, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 32, dtype=torch.bfloat16)
+    table = torch.tensor([[1, 2]])
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        ops.attn_paged(q, cache, table, torch.tensor([9]), None)
+
+
+@needs_bf16_dot
+def test_bf16_model_attends_mixed_steps_on_the_paged_kernel_with_the_same_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six requests (more than the fused path takes), prompts chunked so decodes share
+    steps with prefill chunks: the decode group runs on `attn_paged` and the greedy tokens
+    equal gather + SDPA's."""
+    torch.set_num_threads(2)
+    prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12], [40, 41, 42], [7] * 13, [1, 2, 3, 4], [60, 9]]
+    seen = {"paged": 0}
+    paged = kernels.CpuOps.attn_paged
+
+    def counting(self: kernels.CpuOps, *args: object, **kwargs: object) -> torch.Tensor:
+        seen["paged"] += 1
+        return paged(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels.CpuOps, "attn_paged", counting)
+    tokens = []
+    for on in (True, False):
+        lm = load_model("tiny-llama", data_dir=tmp_path, dtype="bfloat16")
+        runner = ModelRunner(
+            lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
+        )
+        assert runner.paged_ops is not None
+        if not on:
+            runner.paged_ops = None
+            seen["paged_before_off"] = seen["paged"]
+        tokens.append(run_greedy(runner, prompts, 10, chunk=3))
+    assert tokens[0] == tokens[1]
+    assert seen["paged_before_off"] > 0 and seen["paged"] == seen["paged_before_off"]
