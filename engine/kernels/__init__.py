@@ -58,6 +58,9 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         [_P, _I, _P, _P, _P, _I, _P, *[_I] * 6, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
+    "sluice_rms_norm_bf16": ([_P, _P, ctypes.c_float, _P, _I, _I, ctypes.c_int], None),
+    "sluice_silu_mul_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "sluice_rope_bf16": ([_P, _I, _I, _P, _P, _I, _I, ctypes.c_int], None),
     "sluice_attn_paged": (
         [_P, _I, ctypes.c_int, _P, _P, _P, *[_I] * 8, ctypes.c_float, ctypes.c_int],
         ctypes.c_int,
@@ -97,6 +100,9 @@ class CpuOps:
         self._silu_mul = lib.sluice_silu_mul
         self._attn = lib.sluice_attn_decode
         self._paged = lib.sluice_attn_paged
+        self._rms_norm_bf16 = lib.sluice_rms_norm_bf16
+        self._silu_mul_bf16 = lib.sluice_silu_mul_bf16
+        self._rope_bf16 = lib.sluice_rope_bf16
 
     def bf16_linear(
         self,
@@ -196,6 +202,43 @@ class CpuOps:
         if rc != 0:
             raise RuntimeError(f"attn_paged failed ({rc}): keys beyond the block table?")
         return out
+
+    # The bf16 small ops (need `bf16_dot`; widths multiples of 16): one pass each where
+    # torch takes several ops, with torch's roundings (see cpu_ops.c).
+
+    def rms_norm_bf16(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """fp32 h [M, H] -> bf16 RMSNorm(h) * weight (fp32 weight [H])."""
+        m, n = h.shape
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        self._rms_norm_bf16(
+            h.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), m, n, _small_op_threads(m * n)
+        )
+        return out
+
+    def silu_mul_bf16(self, gu: torch.Tensor) -> torch.Tensor:
+        """bf16 gu [M, 2I] -> bf16 SiLU(gu[:, :I]) * gu[:, I:]."""
+        m, two_i = gu.shape
+        out = torch.empty((m, two_i // 2), dtype=torch.bfloat16)
+        self._silu_mul_bf16(
+            gu.data_ptr(), out.data_ptr(), m, two_i // 2, _small_op_threads(m * two_i)
+        )
+        return out
+
+    def rope_bf16_(
+        self, x: torch.Tensor, heads: int, table: torch.Tensor, pos: torch.Tensor
+    ) -> None:
+        """`rope_` for bf16 rows of `x` (heads' last dim contiguous), in place."""
+        half = table.shape[1]
+        self._rope_bf16(x.data_ptr(), x.stride(0), x.shape[0], table.data_ptr(), pos.data_ptr(),
+                        heads, half, _small_op_threads(x.shape[0] * heads * half * 2))  # fmt: skip
+
+
+# elements from which the bf16 small ops run on torch's OpenMP threads
+SMALL_OP_PARALLEL_MIN = 32 << 10
+
+
+def _small_op_threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= SMALL_OP_PARALLEL_MIN else 1
 
 
 class _Unavailable(Exception):

@@ -606,9 +606,13 @@ DP_TARGET static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-/* e^x for x <= 0 (a score minus the row's max), Cephes' expf polynomial: within 2 ulp */
+DP_TARGET static inline __m512 widen_pbh(__m256bh b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));
+}
+
+/* e^x, Cephes' expf polynomial: within 2 ulp; x clamped to [-87, 88.5] (no inf, no denormal) */
 DP_TARGET static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.5f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -702,10 +706,7 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
             const __mmask16 live = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
             __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_load_ps(sg + i), m)));
             sum = _mm512_add_ps(sum, e);
-            if (a->q_bf16) { /* P.V takes the weights rounded to bf16, as torch's bf16 SDPA */
-                __m512i r = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
-                e = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
-            }
+            if (a->q_bf16) e = widen_pbh(_mm512_cvtneps_pbh(e)); /* P.V weights in bf16, as torch's */
             _mm512_store_ps(sg + i, e);
         }
         inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
@@ -781,4 +782,71 @@ int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const ui
 #pragma omp parallel for schedule(dynamic, 2) num_threads(threads) reduction(| : bad)
     for (int64_t task = 0; task < P * Hkv; task++) bad |= paged_any(&job, task);
     return bad ? -2 : 0;
+}
+
+
+/* ---- the small ops of a bf16 step (rows of a prefill or of many decodes) ----
+   Each replaces several torch ops (each a pass over memory and a wake of torch's thread
+   pool) with one pass, with torch's own roundings: RMSNorm of the fp32 residual to a bf16
+   x, RoPE on bf16 q|k, SiLU(gate) * up. Rows are shared out on OpenMP threads. */
+
+DP_TARGET static inline void store_bf16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* out[m] = bf16((h[m] * w) * r), r = 1 / sqrt(eps + (1/H) * |h[m]|^2) (H % 16 == 0) */
+DP_TARGET void sluice_rms_norm_bf16(const float *h, const float *w, float eps, uint16_t *out,
+                                    int64_t M, int64_t H, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = h + m * H;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float n = sqrtf(_mm512_reduce_add_ps(ss));
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(eps + (1.0f / (float)H) * n * n));
+        for (int64_t i = 0; i < H; i += 16)
+            store_bf16(out + m * H + i,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i)), r));
+    }
+}
+
+/* out[m, i] = bf16(bf16(silu(g)) * u), g = gu[m, i], u = gu[m, I + i] (I % 16 == 0) */
+DP_TARGET void sluice_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I,
+                                    int threads) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gu + m * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const __m512 x = widen16(g + i);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            const __m512 rounded = widen_pbh(_mm512_cvtneps_pbh(silu));
+            store_bf16(out + m * I + i, _mm512_mul_ps(rounded, widen16(u + i)));
+        }
+    }
+}
+
+/* RoPE in place on the first `heads` heads of each bf16 row of x (row stride `stride`,
+   pairs (re, im)): v * table[pos[m]] (fp32 pairs, `half` per head), products rounded
+   before the sum as torch's complex multiply does (half % 8 == 0) */
+DP_TARGET void sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const float *table,
+                                const int64_t *pos, int64_t heads, int64_t half, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) {
+        const float *t = table + pos[m] * half * 2;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            uint16_t *v = x + m * stride + hd * half * 2;
+            for (int64_t i = 0; i < 2 * half; i += 16) {
+                const __m512 a = widen16(v + i), c = _mm512_loadu_ps(t + i);
+                const __m512 p1 = _mm512_mul_ps(a, c); /* ac, bs */
+                const __m512 p2 = _mm512_mul_ps(a, _mm512_permute_ps(c, 0xB1)); /* as, bc */
+                const __m512 re = _mm512_sub_ps(p1, _mm512_permute_ps(p1, 0xB1));
+                const __m512 im = _mm512_add_ps(p2, _mm512_permute_ps(p2, 0xB1));
+                store_bf16(v + i, _mm512_mask_blend_ps((__mmask16)0xAAAA, re, im));
+            }
+        }
+    }
 }

@@ -169,6 +169,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if meta.cpu_ops is not None:
             return self.forward_decode(h, rope, meta, kv_cache)
+        if meta.bf16_ops is not None:
+            return self.forward_bf16(h, rope, meta, kv_cache)
         # hot path, once per layer per step: linears are called through .forward (no
         # nn.Module hook dispatch), the residual stream h is updated in place (it is this
         # forward's own tensor), and each line is as few torch ops as it can be (~3-10 µs each)
@@ -188,6 +190,24 @@ class DecoderLayer(nn.Module):
         x = rms_norm(h, self.post_attention_layernorm, self.eps, self.compute_dtype)
         gu = self.gate_up_proj.forward(x)
         act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
+        return h.add_(self.down_proj.forward(act))
+
+    def forward_bf16(
+        self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` of a bf16 model with the bf16 kernels: the norms, RoPE and SiLU*up are
+        one kernel call each (torch takes 4-6 ops for each), with torch's roundings.
+        `rope` is the whole rotation table as fp32 pairs [positions, head_dim/2, 2]."""
+        ops = meta.bf16_ops
+        assert ops is not None and meta.positions is not None
+        t, q_size = h.shape[0], self.q_size
+        qkv = self.qkv_proj.forward(ops.rms_norm_bf16(h, self.input_layernorm, self.eps))
+        ops.rope_bf16_(qkv, self.num_heads + self.num_kv_heads, rope, meta.positions)
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
+        h = h.add_(self.o_proj.forward(attn.reshape(t, q_size)))
+        x = ops.rms_norm_bf16(h, self.post_attention_layernorm, self.eps)
+        act = ops.silu_mul_bf16(self.gate_up_proj.forward(x))
         return h.add_(self.down_proj.forward(act))
 
     def forward_decode(
@@ -298,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """kv_caches: per layer `[num_blocks, block_size, 2, kv_heads, head_dim]` (K, V)."""
         h = self.embed_tokens.forward(input_ids).float()
-        if meta.cpu_ops is not None:
+        if meta.cpu_ops is not None or meta.bf16_ops is not None:
             assert self._rope_cache is not None  # the runner fuses only with a table
             rope = torch.view_as_real(self._rope_cache)
         else:

@@ -62,10 +62,12 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [P] int64
     block_table: torch.Tensor | None = None  # [P, nblk] int64
     num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
-    # any other step's decoding requests, with a bf16 cache on an AVX512-BF16 CPU: their
-    # attention reads the blocks in place (`CpuOps.attn_paged`) where gather + SDPA copies
-    # every request's keys padded to the longest first (benchmarks/RESULTS.md, Engine)
-    paged_ops: CpuOps | None = None
+    # any other step of a bf16 model on an AVX512-BF16 CPU: the decoder layers run their
+    # small ops on these kernels (DecoderLayer.forward_bf16, `positions` set), and the
+    # decoding requests' attention reads the blocks in place (`CpuOps.attn_paged`) where
+    # gather + SDPA copies every request's keys padded to the longest first
+    # (benchmarks/RESULTS.md, Engine)
+    bf16_ops: CpuOps | None = None
     decode_num_keys: torch.Tensor | None = None  # [P] int64, the decode group's
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
@@ -127,7 +129,7 @@ def _attend(
 ) -> torch.Tensor:
     """One group's attention: the paged kernel for the decode group where `meta` has it,
     else gather + SDPA."""
-    ops, num_keys = meta.paged_ops, meta.decode_num_keys
+    ops, num_keys = meta.bf16_ops, meta.decode_num_keys
     if ops is None or num_keys is None or grp.q_len != 1 or grp.row_start != 0:
         return _group_attention(q, kv_cache, meta, grp, window)
     table = grp.block_index.view(grp.num_requests, -1)

@@ -35,12 +35,12 @@ def prepare_inputs(
     dtype: torch.dtype,
     device: torch.device,
     cpu_ops: kernels.CpuOps | None = None,
-    paged_ops: kernels.CpuOps | None = None,
+    bf16_ops: kernels.CpuOps | None = None,
 ) -> StepInputs:
     """`cpu_ops`: use the fused decode kernels when this step is only decodes (at most
     kernels.MAX_ROWS of them); the runner passes them on CPU (model_runner._fp32_decode_ready).
-    `paged_ops`: otherwise the decode group attends on `CpuOps.attn_paged` (the runner
-    passes them for a bf16 cache on a CPU with AVX512-BF16)."""
+    `bf16_ops`: otherwise the layers run on the bf16 kernels (`AttentionMetadata.bf16_ops`;
+    the runner passes them for a bf16 model on a CPU with AVX512-BF16)."""
     decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
     prefills = [s for s in sched.scheduled if s.num_new_tokens != 1]
     ids: list[int] = []
@@ -99,9 +99,10 @@ def prepare_inputs(
         meta.cpu_ops, meta.positions = cpu_ops, rows[1]
         meta.block_table = groups[0].block_index.view(len(decodes), -1)
         meta.num_keys = groups[0].query_pos.view(-1) + 1
-    elif paged_ops is not None and decodes:
-        meta.paged_ops = paged_ops
-        meta.decode_num_keys = groups[0].query_pos.view(-1) + 1
+    elif bf16_ops is not None:
+        meta.bf16_ops, meta.positions = bf16_ops, rows[1]
+        if decodes:
+            meta.decode_num_keys = groups[0].query_pos.view(-1) + 1
     return StepInputs(
         input_ids=rows[0],
         positions=rows[1],

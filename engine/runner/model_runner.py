@@ -64,11 +64,18 @@ def upcast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             m.set_output_dtype(dtype)
 
 
-def _paged_shape_ok(cfg: LlamaConfig) -> bool:
-    """Whether `CpuOps.attn_paged` takes this model's heads (D a multiple of 32 up to 256,
-    at most 16 query heads per KV head)."""
+def _bf16_kernels_fit(cfg: LlamaConfig) -> bool:
+    """Whether the bf16 kernels take this model's shapes (`CpuOps.attn_paged`: D a
+    multiple of 32 up to 256, at most 16 query heads per KV head; the small ops: widths
+    that are multiples of 16)."""
     g = cfg.num_attention_heads // cfg.num_key_value_heads
-    return cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and g <= 16
+    widths = (cfg.hidden_size, cfg.intermediate_size)
+    return (
+        cfg.head_dim % 32 == 0
+        and cfg.head_dim <= 256
+        and g <= 16
+        and all(w % 16 == 0 for w in widths)
+    )
 
 
 def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
@@ -148,10 +155,10 @@ class ModelRunner:
             if self.device.type == "cpu" and model.has_rope_cache and _fp32_decode_ready(model)
             else None
         )
-        # the decode group of any other step: attention over the bf16 cache in place
+        # any other step of a bf16 model: the bf16 kernels (AttentionMetadata.bf16_ops)
         ops = kernels.cpu_ops() if self.device.type == "cpu" else None
-        paged = ops is not None and ops.bf16_dot and _paged_shape_ok(mc)
-        self.paged_ops = ops if paged and self.dtype == torch.bfloat16 else None
+        fits = ops is not None and ops.bf16_dot and _bf16_kernels_fit(mc) and model.has_rope_cache
+        self.bf16_ops = ops if fits and self.dtype == torch.bfloat16 else None
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -169,7 +176,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 cpu_ops=self.cpu_ops,
-                paged_ops=self.paged_ops,
+                bf16_ops=self.bf16_ops,
             )
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches

@@ -294,10 +294,47 @@ def test_bf16_model_attends_mixed_steps_on_the_paged_kernel_with_the_same_tokens
         runner = ModelRunner(
             lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
         )
-        assert runner.paged_ops is not None
+        assert runner.bf16_ops is not None
         if not on:
-            runner.paged_ops = None
+            runner.bf16_ops = None
             seen["paged_before_off"] = seen["paged"]
         tokens.append(run_greedy(runner, prompts, 10, chunk=3))
     assert tokens[0] == tokens[1]
     assert seen["paged_before_off"] > 0 and seen["paged"] == seen["paged_before_off"]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_bf16_small_ops_match_torchs_bf16_ops(rows: int) -> None:
+    """RMSNorm (fp32 h to bf16), RoPE on bf16 q|k and SiLU*up in bf16 against the torch ops
+    of `DecoderLayer.forward`: RoPE exactly (the same roundings), the others within one
+    bf16 rounding (the sum of squares and exp round differently), nearly all exactly."""
+    from engine.models.llama import rms_norm
+
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(rows, 256, generator=g) * 3
+    w = torch.rand(256, generator=g) + 0.5
+    ref = rms_norm(h, w, 1e-6, torch.bfloat16)
+    got = ops.rms_norm_bf16(h, w, 1e-6)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=0)
+    assert (got == ref).float().mean() > 0.99
+
+    gu = (torch.randn(rows, 2 * 352, generator=g) * 4).to(torch.bfloat16)
+    ref = torch.nn.functional.silu(gu[:, :352]).mul_(gu[:, 352:])
+    got = ops.silu_mul_bf16(gu)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-30)
+    assert (got == ref).float().mean() > 0.99
+
+    heads, d = 6, 32
+    qkv = torch.randn(rows, (heads + 2) * d, generator=g).to(torch.bfloat16)
+    angles = torch.rand(50, d // 2, generator=g) * 6.3
+    table = torch.polar(torch.ones_like(angles), angles)  # complex64, as the model caches
+    pos = torch.randint(0, 50, (rows,), generator=g)
+    ref = qkv.clone()
+    qk = ref[:, : heads * d]
+    rot = torch.view_as_complex(qk.float().view(rows, heads, d // 2, 2)) * table[pos][:, None]
+    qk.copy_(torch.view_as_real(rot).view(rows, heads * d))
+    ops.rope_bf16_(qkv, heads, torch.view_as_real(table), pos)
+    assert torch.equal(qkv, ref)
