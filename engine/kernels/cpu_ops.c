@@ -598,8 +598,8 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
    and rounded once. Tasks run on OpenMP threads: the team torch's own ops run on (one
    libgomp in the process), so no second set of threads competes with it for the cores.
    In the model every layer's keys come from beyond L2 (the weights streamed between
-   layers evict them): prefetching PF keys ahead, across blocks too, halved its time
-   (benchmarks/RESULTS.md, Engine). */
+   layers evict them): prefetching PF keys ahead, across blocks too, nearly halved its
+   time (benchmarks/RESULTS.md, Engine). */
 
 DP_TARGET static inline __m512 widen16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
