@@ -272,12 +272,13 @@ def test_paged_attention_rejects_keys_beyond_the_table() -> None:
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("quantization", [None, "int8"])
 def test_bf16_model_attends_mixed_steps_on_the_paged_kernel_with_the_same_tokens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
 ) -> None:
     """Six requests (more than the fused path takes), prompts chunked so decodes share
-    steps with prefill chunks: the decode group runs on `attn_paged` and the greedy tokens
-    equal gather + SDPA's."""
+    steps with prefill chunks: the layers run on the bf16 kernels, the decode group on
+    `attn_paged`, and the greedy tokens equal the torch path's (int8 weights too)."""
     torch.set_num_threads(2)
     prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12], [40, 41, 42], [7] * 13, [1, 2, 3, 4], [60, 9]]
     seen = {"paged": 0}
@@ -290,7 +291,9 @@ def test_bf16_model_attends_mixed_steps_on_the_paged_kernel_with_the_same_tokens
     monkeypatch.setattr(kernels.CpuOps, "attn_paged", counting)
     tokens = []
     for on in (True, False):
-        lm = load_model("tiny-llama", data_dir=tmp_path, dtype="bfloat16")
+        lm = load_model(
+            "tiny-llama", data_dir=tmp_path, dtype="bfloat16", quantization=quantization
+        )
         runner = ModelRunner(
             lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
         )
