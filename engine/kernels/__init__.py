@@ -1,4 +1,4 @@
-"""Native CPU kernels for small-batch decode, built on first use with the system C compiler.
+"""Native CPU kernels for decode steps, built on first use with the system C compiler.
 
 `cpu_ops()` returns the `CpuOps` of `cpu_ops.c` (AVX2 + FMA), or None where they cannot
 run (one warning, see `load_cpu_ops`) or when `EngineOptions.kernels` is off. Callers keep
@@ -11,7 +11,9 @@ steps, which runs on torch's own OpenMP threads (`-fopenmp`: the process has one
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
 microseconds of dispatch (benchmarks/RESULTS.md), around GEMVs that torch runs below memory
 speed for bf16 weights without native bf16. Here each small op is one call, and the bf16
-GEMV streams its weights once for up to MAX_ROWS rows.
+GEMV streams its weights once for up to MAX_ROWS rows. In larger steps of a bf16 model the
+bf16 small ops (RMSNorm, RoPE, SiLU*up) and `attn_paged` replace several torch ops each and
+the gather of every request's padded keys (benchmarks/RESULTS.md, Engine).
 """
 
 from __future__ import annotations

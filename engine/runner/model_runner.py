@@ -148,17 +148,14 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         model.cache_rope(config.max_model_len)
-        # fused decode kernels (engine.kernels): CPU, a precomputed RoPE table, and
-        # projections that take the fp32 activations of that path to an fp32 result
-        self.cpu_ops = (
-            kernels.cpu_ops()
-            if self.device.type == "cpu" and model.has_rope_cache and _fp32_decode_ready(model)
-            else None
-        )
+        # the kernels (engine.kernels) need CPU and a precomputed RoPE table
+        ops = kernels.cpu_ops() if self.device.type == "cpu" and model.has_rope_cache else None
+        # fused small decode steps: projections that take the fp32 activations of that path
+        # to an fp32 result
+        self.cpu_ops = ops if _fp32_decode_ready(model) else None
         # any other step of a bf16 model: the bf16 kernels (AttentionMetadata.bf16_ops)
-        ops = kernels.cpu_ops() if self.device.type == "cpu" else None
-        fits = ops is not None and ops.bf16_dot and _bf16_kernels_fit(mc) and model.has_rope_cache
-        self.bf16_ops = ops if fits and self.dtype == torch.bfloat16 else None
+        bf16 = self.dtype == torch.bfloat16 and _bf16_kernels_fit(mc)
+        self.bf16_ops = ops if ops is not None and ops.bf16_dot and bf16 else None
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
