@@ -7,13 +7,18 @@ Called by `engine.loader.load_model(..., quantization="int8")`; swaps every proj
 Kernel choice: the fused `aten._weight_int8pack_mm` (int8 weights, bf16 activations,
 scales applied in the kernel) beats dequantize-then-matmul and dense bf16 for batch-1
 decode GEMVs (benchmarks/RESULTS.md); in fp32 it is very slow, so fp32 models run the
-int8 matmul with bf16 activations and cast back.
+int8 matmul with bf16 activations and cast back. On CPU the runner also hands each layer
+the native kernels (`use_kernels`): fp32 inputs of at most `kernels.MAX_ROWS` rows (the
+fused decode path) then take `CpuOps.int8_linear`, which streams the int8 weights once
+and returns fp32, whatever dtype the model computes in.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine import kernels
 
 
 class Int8Linear(nn.Module):
@@ -33,6 +38,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(self.act_dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.ops: kernels.CpuOps | None = None  # see use_kernels
+        self.kernel_scales: torch.Tensor | None = None
+        self.kernel_bias: torch.Tensor | None = None
+
+    def use_kernels(self, ops: kernels.CpuOps) -> None:
+        """Serve fp32 inputs of at most `kernels.MAX_ROWS` rows with `ops.int8_linear` (an
+        fp32 result); the kernel takes fp32 scales and bias, kept beside (N floats each)."""
+        self.ops = ops
+        self.kernel_scales = self.scales.float().contiguous()
+        self.kernel_bias = None if self.bias is None else self.bias.detach().float()
 
     def set_output_dtype(self, dtype: torch.dtype) -> None:
         """Return `dtype` from now on; the scales stay in the activation dtype (after a
@@ -41,7 +56,26 @@ class Int8Linear(nn.Module):
         self.act_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
         self.scales = self.scales.to(self.act_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias); with `out`, added into it (one kernel call on the kernel path)."""
+        if (
+            self.ops is not None
+            and x.dim() == 2
+            and x.shape[0] <= kernels.MAX_ROWS
+            and x.dtype == torch.float32
+        ):
+            assert self.kernel_scales is not None
+            return self.ops.int8_linear(
+                x.contiguous(), self.qweight, self.kernel_scales, self.kernel_bias, out=out
+            )
+        y = self._torch_forward(x)
+        return y if out is None else out.add_(y)
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> None:
+        """h += forward(x)."""
+        self.forward(x, out=h)
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.act_dtype)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)

@@ -4,9 +4,11 @@
 run (one warning, see `load_cpu_ops`) or when `EngineOptions.kernels` is off. Callers keep
 their torch path then. The shared library is cached per source hash under
 `EngineOptions.kernel_cache_dir` (default `~/.cache/sluice/kernels`), so a machine compiles it once
-(about a second). The GEMV uses AVX512-BF16 where the CPU has it (a function-level target,
-chosen at run time), and so does `attn_paged`, the decode attention of large and mixed
-steps, which runs on torch's own OpenMP threads (`-fopenmp`: the process has one libgomp).
+(about a second). The bf16 GEMV uses AVX512-BF16 where the CPU has it (a function-level
+target, chosen at run time), and so does `attn_paged`, the decode attention of large and
+mixed steps, which runs on torch's own OpenMP threads (`-fopenmp`: the process has one
+libgomp). The int8 GEMV (int8 weights, x quantized to int16 per row) serves the decode
+steps of int8 models.
 
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
 microseconds of dispatch (benchmarks/RESULTS.md), around GEMVs that torch runs below memory
@@ -53,6 +55,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
+    "sluice_int8_linear": (
+        [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+        ctypes.c_int,
+    ),
     "sluice_rms_norm": ([_P, _P, ctypes.c_float, _P, _I, _I], None),
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I], None),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
@@ -97,6 +103,7 @@ class CpuOps:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         self._linear = lib.sluice_bf16_linear
+        self._int8_linear = lib.sluice_int8_linear
         self._rms_norm = lib.sluice_rms_norm
         self._rope = lib.sluice_rope
         self._silu_mul = lib.sluice_silu_mul
@@ -129,6 +136,28 @@ class CpuOps:
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
+        return y
+
+    def int8_linear(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] @ (qweight [N, K] int8 * scale [N] fp32).T (+ bias) -> fp32 [M, N],
+        M <= MAX_ROWS; with `out`, adds to it. Each x row is quantized to int16 with one
+        scale in the kernel (see cpu_ops.c)."""
+        m, k = x.shape
+        n = qweight.shape[0]
+        y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
+        rc = self._int8_linear(
+            qweight.data_ptr(), scale.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(),
+            m, n, k, _threads(m * n * k), int(out is not None),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"int8_linear takes 1..{MAX_ROWS} rows, got {m}")
         return y
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
    engine/kernels/__init__.py (which documents each entry point's contract).
 
    sluice_bf16_linear: y = x @ W^T (+ bias) (or y +=) for bf16 W [N, K], fp32 x [M, K], M <= 4.
+   sluice_int8_linear: the same for int8 W with a scale per row (its own section below).
 
    The small-batch decode GEMVs of a bf16 model on a CPU without native bf16 (AVX2 only):
    each bf16 weight is widened to fp32 exactly (bf16 is the top half of an fp32) and
@@ -172,6 +173,13 @@ static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
@@ -383,6 +391,133 @@ int sluice_bf16_linear(const uint16_t *W, const float *x, const float *bias, flo
     free(xp);
     free(xr);
     free(xb);
+    return 0;
+}
+
+/* ---- sluice_int8_linear: y = (x @ Wq^T) * scale (+ bias) (or y +=) for int8 Wq [N, K],
+   one fp32 scale per output row, fp32 x [M, K], M <= 4 ----
+
+   The small-batch decode GEMVs of an int8 weight-only model (engine/quantization.py), W
+   streamed once per call at 1 byte a weight. Each x row is quantized to int16 with one
+   scale (its absmax / 32767: finer than the bf16 activations of the torch path, rounded
+   to 2^-9 relative), weights are sign-extended to int16, and VPMADDWD makes 16 exact
+   products per instruction, summed in int32. The int32 sums move to fp32 every FLUSH_K
+   inputs: each lane gains at most 2 * 32767 * 127 per VPMADDWD, below 2^31 for 2,048
+   inputs (128 instructions). */
+#define FLUSH_K 2048
+#define I8_MAX_R 4
+
+#define INLINE static inline __attribute__((always_inline)) /* M, R constant inside */
+
+/* y rows n .. n+R-1 (of every x row) */
+INLINE void group_i8(const int8_t *W, const int16_t *xq, int64_t Kp, const float *xs,
+                     const float *scale, const float *bias, float *y, int64_t n, int64_t N,
+                     int64_t K, const int M, const int R, int acc) {
+    const int64_t K16 = K & ~(int64_t)15;
+    const int8_t *w[I8_MAX_R];
+    for (int r = 0; r < R; r++) w[r] = W + (n + r) * K;
+    __m256 f[4][I8_MAX_R];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) f[m][r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K16; k0 += FLUSH_K) {
+        const int64_t k1 = k0 + FLUSH_K < K16 ? k0 + FLUSH_K : K16;
+        __m256i a[4][I8_MAX_R];
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < R; r++) a[m][r] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 16) {
+            __m256i wv[I8_MAX_R];
+            if ((k & 63) == 0) /* the next group's rows, a cache line at a time */
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + R * K + k), _MM_HINT_T0);
+            for (int r = 0; r < R; r++)
+                wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + k)));
+            for (int m = 0; m < M; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * Kp + k));
+                for (int r = 0; r < R; r++)
+                    a[m][r] = _mm256_add_epi32(a[m][r], _mm256_madd_epi16(wv[r], xv));
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < R; r++)
+                f[m][r] = _mm256_add_ps(f[m][r], _mm256_cvtepi32_ps(a[m][r]));
+    }
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(f[m][r]);
+            for (int64_t k = K16; k < K; k++) s += (float)w[r][k] * (float)xq[m * Kp + k];
+            STORE(y[m * N + n + r], s * xs[m] * scale[n + r] + (bias ? bias[n + r] : 0.0f));
+        }
+}
+
+/* rows [n0, n1): R rows of W at a time (sharing each x load), the rest one by one; M and
+   R are constants at each call site so the loops over them unroll */
+INLINE void rows_i8(const int8_t *W, const int16_t *xq, int64_t Kp, const float *xs,
+                    const float *scale, const float *bias, float *y, int64_t n0, int64_t n1,
+                    int64_t N, int64_t K, const int M, const int R, int acc) {
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) group_i8(W, xq, Kp, xs, scale, bias, y, n, N, K, M, R, acc);
+    for (; n < n1; n++) group_i8(W, xq, Kp, xs, scale, bias, y, n, N, K, M, 1, acc);
+}
+
+typedef struct {
+    const int8_t *W;
+    const int16_t *xq;
+    const float *xs, *scale, *bias;
+    float *y;
+    int64_t M, N, K, Kp;
+    int acc;
+    int64_t rows; /* per chunk */
+} int8_job;
+
+static void int8_chunk(void *ctx, int64_t c) {
+    const int8_job *j = ctx;
+    const int64_t n0 = c * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
+#define I8_ROWS(M, R) rows_i8(j->W, j->xq, j->Kp, j->xs, j->scale, j->bias, j->y, n0, n1, \
+                              j->N, j->K, M, R, j->acc)
+    switch (j->M) { /* R: as many W rows as keep the int32 sums in 16 registers */
+        case 1: I8_ROWS(1, 4); break;
+        case 2: I8_ROWS(2, 4); break;
+        case 3: I8_ROWS(3, 2); break;
+        default: I8_ROWS(4, 2); break;
+    }
+#undef I8_ROWS
+}
+
+/* q = round(x / scale) with scale = absmax(x) / 32767 (0 for a zero row); returns scale */
+static float quantize_i16(const float *x, int64_t K, int16_t *q) {
+    const int64_t K16 = K & ~(int64_t)15;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 8)
+        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float amax = hmax(vmax);
+    for (int64_t k = K16; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t k = 0; k < K16; k += 16) {
+        /* round to nearest even (MXCSR default); packs saturates at 32767 */
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vinv));
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + k), p);
+    }
+    for (int64_t k = K16; k < K; k++)
+        q[k] = (int16_t)fminf(fmaxf(nearbyintf(x[k] * inv), -32767.0f), 32767.0f);
+    return amax / 32767.0f;
+}
+
+int sluice_int8_linear(const int8_t *W, const float *scale, const float *x, const float *bias,
+                       float *y, int64_t M, int64_t N, int64_t K, int threads, int acc) {
+    if (M < 1 || M > 4 || threads < 1) return -1;
+    const int64_t Kp = (K + 15) & ~(int64_t)15;
+    int16_t *xq = calloc(M * Kp, sizeof(int16_t));
+    if (!xq) return -2;
+    float xs[4];
+    for (int64_t m = 0; m < M; m++) xs[m] = quantize_i16(x + m * K, K, xq + m * Kp);
+    int8_job job = {W, xq, xs, scale, bias, y, M, N, K, Kp, acc, 16};
+    /* chunks of about 64 KB of weights, whole 16-row units */
+    while (job.rows < N && job.rows * K < 65536) job.rows += 16;
+    parallel_for(int8_chunk, &job, (N + job.rows - 1) / job.rows, threads);
+    free(xq);
     return 0;
 }
 

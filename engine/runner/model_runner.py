@@ -80,14 +80,14 @@ def _bf16_kernels_fit(cfg: LlamaConfig) -> bool:
 
 def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
     """Whether every projection (and the lm_head) maps an fp32 input of a few rows to fp32:
-    fp32 weights, a bf16 copy for the kernel (PackedLinear.small_weight), or int8 with an
-    fp32 output (computing in fp32)."""
+    fp32 weights, a bf16 copy for the kernel (PackedLinear.small_weight), or int8 with the
+    int8 kernel (Int8Linear.use_kernels) or an fp32 output (computing in fp32)."""
 
     def fp32_out(proj: torch.nn.Module) -> bool:
         if isinstance(proj, PackedLinear):
             return proj.small_weight is not None or proj.packed.dtype == torch.float32
         if isinstance(proj, Int8Linear):
-            return proj.out_dtype == torch.float32
+            return proj.ops is not None or proj.out_dtype == torch.float32
         return isinstance(proj, torch.nn.Linear) and proj.weight.dtype == torch.float32
 
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -150,6 +150,10 @@ class ModelRunner:
         model.cache_rope(config.max_model_len)
         # the kernels (engine.kernels) need CPU and a precomputed RoPE table
         ops = kernels.cpu_ops() if self.device.type == "cpu" and model.has_rope_cache else None
+        if ops is not None:
+            for m in model.modules():
+                if isinstance(m, Int8Linear):
+                    m.use_kernels(ops)
         # fused small decode steps: projections that take the fp32 activations of that path
         # to an fp32 result
         self.cpu_ops = ops if _fp32_decode_ready(model) else None

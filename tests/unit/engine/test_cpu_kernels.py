@@ -70,6 +70,56 @@ def test_bf16_kernel_rounding_x_matches_a_bf16_matmul(
     torch.testing.assert_close(out, acc + ref, rtol=1e-5, atol=1e-4)
 
 
+def _int8_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=g)
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("k", "n"), [(512, 768), (1000, 37), (48, 5), (4200, 9)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_kernel_matches_the_dequantized_linear(
+    rows: int, k: int, n: int, with_bias: bool
+) -> None:
+    """x quantized to int16 per row, exact int8 x int16 products: F.linear on the
+    dequantized weights within the int16 rounding of x (relative 2^-16 of the row's absmax
+    per value); K past the kernel's 2,048-input int32 flush and not a multiple of 16
+    included, as is adding into `out`."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(rows * 11 + k + n)
+    q, scale = _int8_weights(n, k, g)
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, 0] = 40.0  # an outlier sets the row's scale
+    bias = torch.randn(n, generator=g) if with_bias else None
+    ref = torch.nn.functional.linear(x.double(), (q.double() * scale.double()[:, None]), None)
+    if bias is not None:
+        ref += bias.double()
+    out = ops.int8_linear(x, q, scale, bias)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    # the int16 rounding of x: at most half a step of absmax/32767 per value
+    bound = (x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2) * (
+        q.double().abs() * scale.double()[:, None]
+    ).sum(dim=1)
+    assert ((out.double() - ref).abs() <= bound * 1.01 + 1e-4).all()
+    acc = torch.randn(rows, n, generator=g)
+    again = ops.int8_linear(x, q, scale, bias, out=acc.clone())
+    torch.testing.assert_close(again, acc + out, rtol=1e-6, atol=1e-5)
+
+
+@needs_kernel
+def test_int8_kernel_takes_a_zero_row() -> None:
+    """An all-zero x row (its scale 0) gives the bias, not NaN."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    q, scale = _int8_weights(7, 64, torch.Generator().manual_seed(1))
+    bias = torch.arange(7, dtype=torch.float32)
+    out = ops.int8_linear(torch.zeros(2, 64), q, scale, bias)
+    assert torch.equal(out, bias.expand(2, 7))
+
+
 @needs_kernel
 def test_work_sharing_gives_every_chunk_once_at_any_thread_count() -> None:
     """The lm_head-sized GEMV (hundreds of chunks) at 1-4 threads, many calls in a row:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine import kernels
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.models.cpu_linear import (
@@ -122,3 +123,39 @@ def test_int8_model_mostly_agrees_with_full_precision(tmp_path: Path) -> None:
         e_full = full.model.embed_tokens(ids)
         e_int8 = int8.model.embed_tokens(ids)
     assert torch.equal(e_full, e_int8)  # embeddings stay full precision
+
+
+@pytest.mark.skipif(kernels.cpu_ops() is None, reason="no AVX2/FMA or no C compiler")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_decode_steps_run_on_the_int8_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """An int8 model on CPU decodes a few requests on the fused path, every projection on
+    `CpuOps.int8_linear` (whatever the compute dtype), and greedy-decodes the tokens of
+    the torch int8 path (bf16 activations there, int16 here: both finer than the weights)."""
+    torch.set_num_threads(2)
+    prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12], [40, 41, 42]]
+    calls = {"n": 0}
+    real = kernels.CpuOps.int8_linear
+
+    def counting(self: kernels.CpuOps, *args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels.CpuOps, "int8_linear", counting)
+    tokens = []
+    for on in (True, False):
+        lm = load_model("tiny-llama", data_dir=tmp_path, dtype=dtype, quantization="int8")
+        runner = ModelRunner(lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype=dtype))
+        assert runner.cpu_ops is not None  # the fused decode path takes the int8 model
+        if not on:
+            runner.cpu_ops = None
+            for m in lm.model.modules():
+                if isinstance(m, Int8Linear):
+                    m.ops = None
+            calls["before_off"] = calls["n"]
+        tokens.append(run_greedy(runner, prompts, 12))
+    layers = len(lm.model.layers)
+    # 11 decode steps, 4 projections a layer and the lm_head each
+    assert calls["before_off"] >= 11 * (4 * layers + 1) and calls["n"] == calls["before_off"]
+    assert tokens[0] == tokens[1]
