@@ -56,6 +56,12 @@ class Int8Linear(nn.Module):
         self.act_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
         self.scales = self.scales.to(self.act_dtype)
 
+    def kernel_weights(self) -> kernels.ProjWeights | None:
+        """The int8 weight as `CpuOps.decode_layers` takes it, once on the kernels."""
+        if self.ops is None:
+            return None
+        return kernels.ProjWeights(self.qweight, self.kernel_bias, scale=self.kernel_scales)
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); with `out`, added into it (one kernel call on the kernel path)."""
         if (

@@ -28,6 +28,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +68,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         [_P, _I, _P, _P, _P, _I, _P, *[_I] * 6, ctypes.c_float, _P, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
+    "sluice_decode_layers": ([_P, _P, _P, _I, _P, _P, _P, _I, _P], ctypes.c_int),
     "sluice_rms_norm_bf16": ([_P, _P, ctypes.c_float, _P, _I, _I, ctypes.c_int], None),
     "sluice_silu_mul_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
     "sluice_rope_bf16": ([_P, _I, _I, _P, _P, _I, _I, ctypes.c_int], None),
@@ -74,6 +77,62 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         ctypes.c_int,
     ),
 }
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [
+        ("w", _P), ("scale", _P), ("bias", _P), ("N", _I), ("K", _I),
+        ("int8", ctypes.c_int32), ("mode", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("qkv", _Proj), ("o", _Proj),
+        ("gate_up", _Proj), ("down", _Proj), ("cache", _P), ("window", _I),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I), ("H", _I), ("I", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("bs", _I),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope", _P),
+        ("cache_bf16", ctypes.c_int32), ("threads", ctypes.c_int32), ("min_work", _I),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ProjWeights:
+    """One projection as the kernels take it: bf16 `weight` (`round_x`: x rounded to bf16
+    first, see `CpuOps.bf16_linear`) or int8 `weight` with fp32 `scale` per row; fp32 bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: torch.Tensor | None = None
+    round_x: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """What `CpuOps.decode_layers` reads of one decoder layer (fp32 norm weights)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: ProjWeights
+    o: ProjWeights
+    gate_up: ProjWeights
+    down: ProjWeights
+    window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """A model's layers for `CpuOps.decode_layers`, built once (`CpuOps.decode_plan`); it
+    holds the tensors whose addresses the C structs keep."""
+
+    model: _Model
+    layers: ctypes.Array[_Layer]
+    keep: tuple[object, ...]
 
 
 def configure(options: EngineOptions) -> None:
@@ -110,6 +169,7 @@ class CpuOps:
         self._attn = lib.sluice_attn_decode
         self._paged = lib.sluice_attn_paged
         self._rms_norm_bf16 = lib.sluice_rms_norm_bf16
+        self._decode_layers = lib.sluice_decode_layers
         self._silu_mul_bf16 = lib.sluice_silu_mul_bf16
         self._rope_bf16 = lib.sluice_rope_bf16
 
@@ -159,6 +219,72 @@ class CpuOps:
         if rc != 0:
             raise ValueError(f"int8_linear takes 1..{MAX_ROWS} rows, got {m}")
         return y
+
+    def decode_plan(
+        self,
+        layers: Sequence[LayerWeights],
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        eps: float,
+        rope: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+    ) -> DecodePlan:
+        """The C description of `layers` (each with its KV cache, bf16 or fp32) and `rope`
+        (fp32 pairs [positions, head_dim/2, 2]) for `decode_layers`."""
+
+        def proj(p: ProjWeights) -> _Proj:
+            mode = (1 if self.bf16_dot else 2) if p.round_x else 0
+            return _Proj(
+                p.weight.data_ptr(), _ptr(p.scale), _ptr(p.bias), p.weight.shape[0],
+                p.weight.shape[1], int(p.scale is not None), mode,
+            )  # fmt: skip
+
+        array = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    lw.in_norm.data_ptr(),
+                    lw.post_norm.data_ptr(),
+                    proj(lw.qkv),
+                    proj(lw.o),
+                    proj(lw.gate_up),
+                    proj(lw.down),
+                    cache.data_ptr(),
+                    lw.window or 0,
+                )  # fmt: skip
+                for lw, cache in zip(layers, kv_caches, strict=True)
+            )
+        )
+        first = layers[0]
+        model = _Model(
+            len(layers), first.in_norm.shape[0], first.down.weight.shape[1], heads, kv_heads,
+            head_dim, block_size, eps, head_dim**-0.5, rope.data_ptr(),
+            int(kv_caches[0].dtype == torch.bfloat16), 1, 0,
+        )  # fmt: skip
+        return DecodePlan(model, array, (tuple(layers), tuple(kv_caches), rope))
+
+    def decode_layers(
+        self,
+        plan: DecodePlan,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        num_keys: torch.Tensor,
+    ) -> None:
+        """Every layer of `plan` on fp32 h [M, H] (M <= MAX_ROWS decoding requests), in
+        place: `DecoderLayer.forward_decode` layer after layer, bit for bit."""
+        plan.model.threads = torch.get_num_threads()
+        plan.model.min_work = _options.kernel_parallel_min_work
+        rc = self._decode_layers(
+            ctypes.byref(plan.model), plan.layers, h.data_ptr(), h.shape[0],
+            positions.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1],
+            num_keys.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_layers failed ({rc}): keys beyond the block table?")
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(h)

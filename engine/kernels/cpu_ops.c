@@ -985,3 +985,73 @@ DP_TARGET void sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const fl
         }
     }
 }
+
+/* ---- sluice_decode_layers: every decoder layer of a small decode step in one call ----
+
+   What `DecoderLayer.forward_decode` does per layer, with the same kernels in the same
+   order and the same thread counts, so the hidden states are bit-identical to it: the
+   Python glue around ~10 kernel calls a layer (argument conversion, tensor allocation)
+   cost about as much as the step's attention (benchmarks/RESULTS.md, Engine). The
+   projections are bf16 (`mode` as sluice_bf16_linear's) or int8 (`scale` per row). */
+typedef struct {
+    const void *w;
+    const float *scale; /* int8 only */
+    const float *bias;
+    int64_t N, K;
+    int32_t int8, mode;
+} dl_proj;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    dl_proj qkv, o, gate_up, down;
+    void *cache;
+    int64_t window;
+} dl_layer;
+
+typedef struct {
+    int64_t layers, H, I, Hq, Hkv, D, bs;
+    float eps, scale;
+    const float *rope; /* [positions, D/2, 2] */
+    int32_t cache_bf16, threads;
+    int64_t min_work; /* a kernel's multiply-adds below which it runs on one thread */
+} dl_model;
+
+static int dl_threads(const dl_model *m, int64_t work) {
+    return work >= m->min_work ? m->threads : 1;
+}
+
+static int dl_linear(const dl_model *m, const dl_proj *p, const float *x, float *y, int64_t M,
+                     int acc) {
+    const int th = dl_threads(m, M * p->N * p->K);
+    if (p->int8)
+        return sluice_int8_linear(p->w, p->scale, x, p->bias, y, M, p->N, p->K, th, acc);
+    return sluice_bf16_linear(p->w, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);
+}
+
+int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, int64_t M,
+                         const int64_t *pos, const int64_t *slots, const int64_t *table,
+                         int64_t nblk, const int64_t *num_keys) {
+    const int64_t H = m->H, I = m->I, D = m->D, qkv_w = (m->Hq + 2 * m->Hkv) * D;
+    float *x = malloc((size_t)M * (H + qkv_w + m->Hq * D + 3 * I) * sizeof(float));
+    if (!x) return -2;
+    float *qkv = x + M * H, *attn = qkv + M * qkv_w, *gu = attn + M * m->Hq * D;
+    float *act = gu + 2 * M * I;
+    const int attn_threads = dl_threads(m, M * m->Hq * D * nblk * m->bs * 2);
+    int rc = 0;
+    for (int64_t l = 0; l < m->layers && rc == 0; l++) {
+        const dl_layer *L = layers + l;
+        sluice_rms_norm(h, L->in_norm, m->eps, x, M, H);
+        if ((rc = dl_linear(m, &L->qkv, x, qkv, M, 0))) break;
+        sluice_rope(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
+        rc = sluice_attn_decode(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
+                                M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
+                                m->cache_bf16);
+        if (rc || (rc = dl_linear(m, &L->o, attn, h, M, 1))) break;
+        sluice_rms_norm(h, L->post_norm, m->eps, x, M, H);
+        if ((rc = dl_linear(m, &L->gate_up, x, gu, M, 0))) break;
+        sluice_silu_mul(gu, act, M, I);
+        rc = dl_linear(m, &L->down, act, h, M, 1);
+    }
+    free(x);
+    return rc;
+}

@@ -85,6 +85,12 @@ class PackedLinear(nn.Module):
             self.small_weight = w.to(torch.bfloat16).contiguous()  # exact: bf16-valued fp32
             self.small_bias = None if self.bias is None else self.bias.float()
 
+    def kernel_weights(self) -> kernels.ProjWeights | None:
+        """The bf16 copy as `CpuOps.decode_layers` takes it, if there is one."""
+        if self.small_weight is None:
+            return None
+        return kernels.ProjWeights(self.small_weight, self.small_bias, round_x=self.round_x)
+
     def use(self, plan: RowPlan) -> None:
         """Serve the buckets in `plan.plain` with `F.linear`; without any, drop the plain
         weight (it would only cost memory)."""

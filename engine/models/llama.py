@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import CpuOps
+from engine.kernels import CpuOps, DecodePlan, LayerWeights, ProjWeights
 from engine.runner.attention import AttentionMetadata, paged_attention
 
 
@@ -234,6 +234,22 @@ class DecoderLayer(nn.Module):
         _add_projection(self.down_proj, act, h)
         return h
 
+    def kernel_weights(self) -> LayerWeights | None:
+        """This layer as `CpuOps.decode_layers` reads it, or None when a projection has no
+        kernel form (`kernel_weights()` of PackedLinear with a bf16 copy, or of Int8Linear
+        on the int8 kernel)."""
+        projs = [
+            getattr(p, "kernel_weights", lambda: None)()
+            for p in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        ]
+        if any(p is None for p in projs):
+            return None
+        qkv, o, gate_up, down = projs
+        return LayerWeights(
+            self.input_layernorm.data, self.post_attention_layernorm.data,
+            qkv, o, gate_up, down, self.sliding_window,
+        )  # fmt: skip
+
 
 def _add_projection(proj: nn.Module, x: torch.Tensor, h: torch.Tensor) -> None:
     """h += proj(x): in the projection's own kernel when it has one (PackedLinear.add_to)."""
@@ -280,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_cache: torch.Tensor | None = None  # see cache_rope
+        self._decode_plan: DecodePlan | None = None  # see plan_decode
         self.compute_dtype = torch.float32
 
     def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
@@ -318,6 +335,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """kv_caches: per layer `[num_blocks, block_size, 2, kv_heads, head_dim]` (K, V)."""
         h = self.embed_tokens.forward(input_ids).float()
+        plan = self._decode_plan
+        if meta.cpu_ops is not None and plan is not None:
+            assert meta.positions is not None and meta.slot_mapping is not None
+            assert meta.block_table is not None and meta.num_keys is not None
+            meta.cpu_ops.decode_layers(
+                plan, h, meta.positions, meta.slot_mapping, meta.block_table, meta.num_keys
+            )
+            return h
         if meta.cpu_ops is not None or meta.bf16_ops is not None:
             assert self._rope_cache is not None  # the runner fuses only with a table
             rope = torch.view_as_real(self._rope_cache)
@@ -326,6 +351,27 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer.forward(h, rope, meta, kv_cache)
         return h
+
+    def plan_decode(self, ops: CpuOps, kv_caches: list[torch.Tensor], block_size: int) -> bool:
+        """Run the layers of fused decode steps in one `ops.decode_layers` call from now on,
+        when every projection has a kernel form and the RoPE table is cached; whether it
+        does. The plan holds `kv_caches`' addresses: call again if they are replaced."""
+        layers = [layer.kernel_weights() for layer in self.layers]
+        if self._rope_cache is None or not layers or any(lw is None for lw in layers):
+            self._decode_plan = None
+            return False
+        first = self.layers[0]
+        self._decode_plan = ops.decode_plan(
+            [lw for lw in layers if lw is not None],
+            heads=first.num_heads,
+            kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            block_size=block_size,
+            eps=first.eps,
+            rope=torch.view_as_real(self._rope_cache),
+            kv_caches=kv_caches,
+        )
+        return True
 
     def compute_logits(self, hidden: torch.Tensor, cpu_ops: CpuOps | None = None) -> torch.Tensor:
         """fp32 logits. With `cpu_ops` (a fused decode step) the norm is one kernel call and

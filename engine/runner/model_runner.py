@@ -157,6 +157,10 @@ class ModelRunner:
         # fused small decode steps: projections that take the fp32 activations of that path
         # to an fp32 result
         self.cpu_ops = ops if _fp32_decode_ready(model) else None
+        # their layers in one kernel call when every projection has a kernel form
+        self.fused_layers = self.cpu_ops is not None and model.plan_decode(
+            self.cpu_ops, self.kv_caches, self.block_size
+        )
         # any other step of a bf16 model: the bf16 kernels (AttentionMetadata.bf16_ops)
         bf16 = self.dtype == torch.bfloat16 and _bf16_kernels_fit(mc)
         self.bf16_ops = ops if ops is not None and ops.bf16_dot and bf16 else None

@@ -121,6 +121,44 @@ def test_int8_kernel_takes_a_zero_row() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_layers_in_one_call_equal_the_layer_by_layer_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
+    """A bf16 checkpoint (bf16 or int8 projections) decoding 3 requests: the layers run in
+    one `decode_layers` call give the hidden states of `DecoderLayer.forward_decode`, bit
+    for bit (the same kernels in the same order), so the same tokens."""
+    from engine.models.llama import LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12], [40, 41, 42]]
+    hidden: list[list[torch.Tensor]] = []
+    logits = LlamaForCausalLM.compute_logits
+
+    def recording(self: LlamaForCausalLM, h: torch.Tensor, *args: object) -> torch.Tensor:
+        hidden[-1].append(h.clone())
+        return logits(self, h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", recording)
+    tokens = []
+    for fused in (True, False):
+        hidden.append([])
+        lm = load_model(
+            "tiny-llama", data_dir=tmp_path, dtype="bfloat16", quantization=quantization
+        )
+        runner = ModelRunner(
+            lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
+        )
+        assert runner.cpu_ops is not None and runner.fused_layers
+        if not fused:
+            lm.model._decode_plan = None
+        tokens.append(run_greedy(runner, prompts, 10))
+    assert tokens[0] == tokens[1]
+    assert len(hidden[0]) == len(hidden[1]) == 10
+    assert all(torch.equal(a, b) for a, b in zip(hidden[0], hidden[1], strict=True))
+
+
+@needs_kernel
 def test_work_sharing_gives_every_chunk_once_at_any_thread_count() -> None:
     """The lm_head-sized GEMV (hundreds of chunks) at 1-4 threads, many calls in a row:
     identical results each time (every chunk run exactly once, none skipped)."""
