@@ -326,7 +326,9 @@ class CpuOps:
             qkv.data_ptr(), qkv.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
             table.data_ptr(), table.shape[1], num_keys.data_ptr(), window or 0,
             p, num_heads, hkv, d, bs, d**-0.5, out.data_ptr(),
-            _threads(p * num_heads * d * table.shape[1] * bs * 2),  # keys: table width
+            # shared whenever there are tasks to share: the helpers still spin from the
+            # qkv GEMV (as in sluice_decode_layers)
+            torch.get_num_threads() if p * hkv > 1 else 1,
             int(kv_cache.dtype == torch.bfloat16),
         )  # fmt: skip
         if rc != 0:

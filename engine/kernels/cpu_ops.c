@@ -1036,7 +1036,8 @@ int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, in
     if (!x) return -2;
     float *qkv = x + M * H, *attn = qkv + M * qkv_w, *gu = attn + M * m->Hq * D;
     float *act = gu + 2 * M * I;
-    const int attn_threads = dl_threads(m, M * m->Hq * D * nblk * m->bs * 2);
+    /* shared whenever there are tasks to share: the helpers still spin from the qkv GEMV */
+    const int attn_threads = M * m->Hkv > 1 ? m->threads : 1;
     int rc = 0;
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
         const dl_layer *L = layers + l;
