@@ -59,6 +59,7 @@ OUTPUT_LEN = (64, 192)
 PROBE_LEVELS = (10, 25, 50, 100, 250, 500, 1000, 2000)
 TARGETS = {"scale_ratio_4_min": 3.4, "probe_added_ttft_p99_ms_max": 50.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+TAP_MAX_WAIT_MS = 200
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,8 +145,13 @@ class TelemetryTap:
 
     def __init__(self, bootstrap: str) -> None:
         self._bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-scale-tap"))
+        # read after each window, never on a request's path: a long fetch wait spares the
+        # broker's CPU (an idle 5 ms fetch loop costs Tansu ~0.1 core, benchmarks/RESULTS.md)
         self._consumer = self._bus.consumer(
-            f"scale-tap-{uuid.uuid4().hex[:8]}", [TELEMETRY_TOPIC], offset_reset="latest"
+            f"scale-tap-{uuid.uuid4().hex[:8]}",
+            [TELEMETRY_TOPIC],
+            offset_reset="latest",
+            max_wait_ms=TAP_MAX_WAIT_MS,
         )
         self._raw: list[bytes] = []
         self._seen: dict[str, tuple[str, Timings]] = {}
