@@ -73,9 +73,10 @@ class KafkaConfig:
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 500
     max_poll_interval_ms: int = 60000
-    # The broker holds an empty fetch this long: short so tokens are not held back, though
-    # each empty fetch costs the broker CPU (benchmarks/RESULTS.md); a consumer that
-    # carries no latency asks for a longer one (`consumer(max_wait_ms)`)
+    # The broker holds an empty fetch this long: short so tokens are not held back on a
+    # broker that holds it the whole wait (Tansu), though each empty fetch costs the broker
+    # CPU (benchmarks/RESULTS.md); a consumer that carries no latency asks for a longer one
+    # (`consumer(max_wait_ms)`). SLUICE_KAFKA_FETCH_MAX_WAIT_MS sets it.
     fetch_max_wait_ms: int = 5
     linger_ms: int = 0
     request_timeout_ms: int = 15000

@@ -79,6 +79,14 @@ class BusSettings(_Base):
         default=None, description="host:port[,host:port]; unset means the in-memory bus"
     )
     kafka_client_id: str = "sluice"
+    kafka_fetch_max_wait_ms: int = Field(
+        default=5,
+        ge=1,
+        le=10_000,
+        description="how long the broker may hold a consumer's empty fetch; Apache Kafka "
+        "answers a held fetch as soon as a record arrives, so raise it there (100-500) to "
+        "spare the broker; Tansu holds it the whole wait, so keep it short there",
+    )
     request_partitions: int = Field(default=6, ge=1, le=1024)
     tokens_partitions: int = Field(default=6, ge=1, le=1024)
     usage_partitions: int = Field(default=3, ge=1, le=1024)

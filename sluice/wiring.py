@@ -94,7 +94,10 @@ def make_bus(
     if settings.kafka_bootstrap:
         timeout_ms = None if message_timeout_s is None else int(message_timeout_s * 1000)
         config = KafkaConfig(
-            bootstrap=settings.kafka_bootstrap, client_id=client_id, message_timeout_ms=timeout_ms
+            bootstrap=settings.kafka_bootstrap,
+            client_id=client_id,
+            message_timeout_ms=timeout_ms,
+            fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         )
         bus = KafkaEventBus(config)
     else:

@@ -30,6 +30,33 @@ def test_settings_read_the_sluice_prefix(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert load_settings(Settings, kafka_bootstrap="h:1").kafka_bootstrap == "h:1"
 
 
+def test_the_kafka_fetch_wait_reaches_every_consumer_of_the_bus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLUICE_KAFKA_FETCH_MAX_WAIT_MS sets the bus's fetch wait (a Kafka deployment raises
+    it; docs/operations.md), which consumers without their own wait use."""
+    from bus.kafka import KafkaEventBus
+    from sluice import wiring
+
+    seen: dict[str, int] = {}
+
+    class Recording(KafkaEventBus):
+        def __init__(self, config: object) -> None:
+            seen["wait"] = config.fetch_max_wait_ms  # type: ignore[attr-defined]
+
+        def create_topics(self, specs: object) -> None:
+            pass
+
+    monkeypatch.setattr(wiring, "KafkaEventBus", Recording)
+    monkeypatch.setenv("SLUICE_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    monkeypatch.setenv("SLUICE_KAFKA_FETCH_MAX_WAIT_MS", "250")
+    wiring.make_bus(load_settings(), "test")
+    assert seen == {"wait": 250}
+    monkeypatch.delenv("SLUICE_KAFKA_FETCH_MAX_WAIT_MS")
+    wiring.make_bus(load_settings(), "test")
+    assert seen == {"wait": 5}
+
+
 @pytest.mark.parametrize(
     ("var", "value", "fix"),
     [
