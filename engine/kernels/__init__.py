@@ -253,7 +253,7 @@ class CpuOps:
                     proj(lw.down),
                     cache.data_ptr(),
                     lw.window or 0,
-                )  # fmt: skip
+                )
                 for lw, cache in zip(layers, kv_caches, strict=True)
             )
         )

@@ -238,12 +238,12 @@ class DecoderLayer(nn.Module):
         """This layer as `CpuOps.decode_layers` reads it, or None when a projection has no
         kernel form (`kernel_weights()` of PackedLinear with a bf16 copy, or of Int8Linear
         on the int8 kernel)."""
-        projs = [
-            getattr(p, "kernel_weights", lambda: None)()
-            for p in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        ]
-        if any(p is None for p in projs):
-            return None
+        projs: list[ProjWeights] = []
+        for proj in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            weights = getattr(proj, "kernel_weights", lambda: None)()
+            if weights is None:
+                return None
+            projs.append(weights)
         qkv, o, gate_up, down = projs
         return LayerWeights(
             self.input_layernorm.data, self.post_attention_layernorm.data,
@@ -356,13 +356,15 @@ class LlamaForCausalLM(nn.Module):
         """Run the layers of fused decode steps in one `ops.decode_layers` call from now on,
         when every projection has a kernel form and the RoPE table is cached; whether it
         does. The plan holds `kv_caches`' addresses: call again if they are replaced."""
-        layers = [layer.kernel_weights() for layer in self.layers]
-        if self._rope_cache is None or not layers or any(lw is None for lw in layers):
+        decoders = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        layers = [layer.kernel_weights() for layer in decoders]
+        kernel_layers = [lw for lw in layers if lw is not None]
+        if self._rope_cache is None or not layers or len(kernel_layers) != len(self.layers):
             self._decode_plan = None
             return False
-        first = self.layers[0]
+        first = decoders[0]
         self._decode_plan = ops.decode_plan(
-            [lw for lw in layers if lw is not None],
+            kernel_layers,
             heads=first.num_heads,
             kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
