@@ -173,6 +173,33 @@ class CpuOps:
         self._silu_mul_bf16 = lib.sluice_silu_mul_bf16
         self._rope_bf16 = lib.sluice_rope_bf16
 
+    def linear(
+        self, x: torch.Tensor, proj: ProjWeights, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ `proj`.T (+ bias) -> fp32 [M, N], M <= MAX_ROWS; with `out`, adds to
+        it. A bf16 weight takes fp32 x (rounded to bf16 first with `round_x`); an int8 one
+        quantizes each x row to int16 with one scale in the kernel (see cpu_ops.c)."""
+        m, k = x.shape
+        n = proj.weight.shape[0]
+        y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
+        threads, acc = _threads(m * n * k), int(out is not None)
+        w, bias = proj.weight.data_ptr(), _ptr(proj.bias)
+        if proj.scale is not None:
+            rc = self._int8_linear(
+                w, proj.scale.data_ptr(), x.data_ptr(), bias, y.data_ptr(), m, n, k, threads, acc
+            )
+        else:
+            mode = self._mode(proj.round_x)
+            rc = self._linear(w, x.data_ptr(), bias, y.data_ptr(), m, n, k, threads, acc, mode)
+        if rc != 0:
+            raise ValueError(f"the kernels' linear takes 1..{MAX_ROWS} rows, got {m}")
+        return y
+
+    def _mode(self, round_x: bool) -> int:
+        """sluice_bf16_linear's mode: 0 exact fp32 x; x rounded to bf16, then 1 VDPBF16PS
+        (AVX512-BF16) or 2 the widening path (the same values without it)."""
+        return (1 if self.bf16_dot else 2) if round_x else 0
+
     def bf16_linear(
         self,
         x: torch.Tensor,
@@ -181,22 +208,10 @@ class CpuOps:
         out: torch.Tensor | None = None,
         round_x: bool = False,
     ) -> torch.Tensor:
-        """x [M, K] @ w[N, K].T (+ bias) for bf16 `w`, M <= MAX_ROWS; with `out`, adds to it.
-
-        `round_x`: x is rounded to bf16 first, as a model computing in bf16 rounds its
-        matmul inputs (the products are then exact, accumulated in fp32); without it x
-        stays fp32."""
-        m, k = x.shape
-        n = w.shape[0]
-        acc = out is not None
-        y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
-        rc = self._linear(
-            w.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
-            _threads(m * n * k), int(acc), (1 if self.bf16_dot else 2) if round_x else 0,
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"bf16_linear takes 1..{MAX_ROWS} rows, got {m}")
-        return y
+        """`linear` of a bf16 `w`. `round_x`: x is rounded to bf16 first, as a model
+        computing in bf16 rounds its matmul inputs (the products are then exact,
+        accumulated in fp32); without it x stays fp32."""
+        return self.linear(x, ProjWeights(w, bias, round_x=round_x), out)
 
     def int8_linear(
         self,
@@ -206,19 +221,8 @@ class CpuOps:
         bias: torch.Tensor | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [M, K] @ (qweight [N, K] int8 * scale [N] fp32).T (+ bias) -> fp32 [M, N],
-        M <= MAX_ROWS; with `out`, adds to it. Each x row is quantized to int16 with one
-        scale in the kernel (see cpu_ops.c)."""
-        m, k = x.shape
-        n = qweight.shape[0]
-        y = out if out is not None else torch.empty((m, n), dtype=torch.float32)
-        rc = self._int8_linear(
-            qweight.data_ptr(), scale.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(),
-            m, n, k, _threads(m * n * k), int(out is not None),
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"int8_linear takes 1..{MAX_ROWS} rows, got {m}")
-        return y
+        """`linear` of an int8 `qweight` [N, K] with fp32 `scale` [N] per row."""
+        return self.linear(x, ProjWeights(qweight, bias, scale=scale), out)
 
     def decode_plan(
         self,
@@ -236,7 +240,7 @@ class CpuOps:
         (fp32 pairs [positions, head_dim/2, 2]) for `decode_layers`."""
 
         def proj(p: ProjWeights) -> _Proj:
-            mode = (1 if self.bf16_dot else 2) if p.round_x else 0
+            mode = self._mode(p.round_x)
             return _Proj(
                 p.weight.data_ptr(), _ptr(p.scale), _ptr(p.bias), p.weight.shape[0],
                 p.weight.shape[1], int(p.scale is not None), mode,
