@@ -296,7 +296,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_cache: torch.Tensor | None = None  # see cache_rope
-        self._decode_plan: DecodePlan | None = None  # see plan_decode
         self.compute_dtype = torch.float32
 
     def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
@@ -335,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """kv_caches: per layer `[num_blocks, block_size, 2, kv_heads, head_dim]` (K, V)."""
         h = self.embed_tokens.forward(input_ids).float()
-        plan = self._decode_plan
+        plan = meta.decode_plan
         if meta.cpu_ops is not None and plan is not None:
             assert meta.positions is not None and meta.slot_mapping is not None
             assert meta.block_table is not None and meta.num_keys is not None
@@ -352,18 +351,19 @@ class LlamaForCausalLM(nn.Module):
             h = layer.forward(h, rope, meta, kv_cache)
         return h
 
-    def plan_decode(self, ops: CpuOps, kv_caches: list[torch.Tensor], block_size: int) -> bool:
-        """Run the layers of fused decode steps in one `ops.decode_layers` call from now on,
-        when every projection has a kernel form and the RoPE table is cached; whether it
-        does. The plan holds `kv_caches`' addresses: call again if they are replaced."""
+    def plan_decode(
+        self, ops: CpuOps, kv_caches: list[torch.Tensor], block_size: int
+    ) -> DecodePlan | None:
+        """The plan to run the layers of a fused decode step in one `ops.decode_layers`
+        call (`AttentionMetadata.decode_plan`) over `kv_caches`, or None unless every
+        projection has a kernel form and the RoPE table is cached."""
         decoders = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         layers = [layer.kernel_weights() for layer in decoders]
         kernel_layers = [lw for lw in layers if lw is not None]
         if self._rope_cache is None or not layers or len(kernel_layers) != len(self.layers):
-            self._decode_plan = None
-            return False
+            return None
         first = decoders[0]
-        self._decode_plan = ops.decode_plan(
+        return ops.decode_plan(
             kernel_layers,
             heads=first.num_heads,
             kv_heads=first.num_kv_heads,
@@ -373,7 +373,6 @@ class LlamaForCausalLM(nn.Module):
             rope=torch.view_as_real(self._rope_cache),
             kv_caches=kv_caches,
         )
-        return True
 
     def compute_logits(self, hidden: torch.Tensor, cpu_ops: CpuOps | None = None) -> torch.Tensor:
         """fp32 logits. With `cpu_ops` (a fused decode step) the norm is one kernel call and

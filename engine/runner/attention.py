@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.kernels import CpuOps
+    from engine.kernels import CpuOps, DecodePlan
 
 
 @dataclass(slots=True)
@@ -62,6 +62,8 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None  # [P] int64
     block_table: torch.Tensor | None = None  # [P, nblk] int64
     num_keys: torch.Tensor | None = None  # [P] int64: each request's keys incl. this token
+    # with cpu_ops, the runner's plan to run every layer in one call (CpuOps.decode_layers)
+    decode_plan: DecodePlan | None = None
     # any other step of a bf16 model on an AVX512-BF16 CPU: the decoder layers run their
     # small ops on these kernels (DecoderLayer.forward_bf16, `positions` set), and the
     # decoding requests' attention reads the blocks in place (`CpuOps.attn_paged`) where

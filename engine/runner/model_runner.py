@@ -157,9 +157,12 @@ class ModelRunner:
         # fused small decode steps: projections that take the fp32 activations of that path
         # to an fp32 result
         self.cpu_ops = ops if _fp32_decode_ready(model) else None
-        # their layers in one kernel call when every projection has a kernel form
-        self.fused_layers = self.cpu_ops is not None and model.plan_decode(
-            self.cpu_ops, self.kv_caches, self.block_size
+        # their layers in one kernel call when every projection has a kernel form (the plan
+        # holds this runner's KV caches: it is the runner's, not the model's)
+        self.decode_plan = (
+            None
+            if self.cpu_ops is None
+            else model.plan_decode(self.cpu_ops, self.kv_caches, self.block_size)
         )
         # any other step of a bf16 model: the bf16 kernels (AttentionMetadata.bf16_ops)
         bf16 = self.dtype == torch.bfloat16 and _bf16_kernels_fit(mc)
@@ -183,6 +186,8 @@ class ModelRunner:
                 cpu_ops=self.cpu_ops,
                 bf16_ops=self.bf16_ops,
             )
+            if inputs.meta.cpu_ops is not None:
+                inputs.meta.decode_plan = self.decode_plan
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
             )

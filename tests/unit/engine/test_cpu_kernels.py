@@ -149,13 +149,28 @@ def test_decode_layers_in_one_call_equal_the_layer_by_layer_path(
         runner = ModelRunner(
             lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
         )
-        assert runner.cpu_ops is not None and runner.fused_layers
+        assert runner.cpu_ops is not None and runner.decode_plan is not None
         if not fused:
-            lm.model._decode_plan = None
+            runner.decode_plan = None
         tokens.append(run_greedy(runner, prompts, 10))
     assert tokens[0] == tokens[1]
     assert len(hidden[0]) == len(hidden[1]) == 10
     assert all(torch.equal(a, b) for a, b in zip(hidden[0], hidden[1], strict=True))
+
+
+@needs_kernel
+def test_a_second_runner_on_the_same_model_leaves_the_first_ones_kv_cache(tmp_path: Path) -> None:
+    """The one-call plan holds its runner's KV caches: a runner built later on the same
+    model (as a benchmark builds several) does not redirect the first one's decode steps."""
+    torch.set_num_threads(2)
+    prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12]]
+    config = EngineConfig(num_kv_blocks=32, block_size=4, dtype="bfloat16")
+    lm = load_model("tiny-llama", data_dir=tmp_path, dtype="bfloat16")
+    alone = run_greedy(ModelRunner(lm.model, config), prompts, 8)
+    first = ModelRunner(lm.model, config)
+    ModelRunner(lm.model, config)
+    assert first.decode_plan is not None
+    assert run_greedy(first, prompts, 8) == alone
 
 
 @needs_kernel

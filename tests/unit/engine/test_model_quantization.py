@@ -152,7 +152,7 @@ def test_int8_decode_steps_run_on_the_int8_kernel(
     for on in (True, False):
         lm = load_model("tiny-llama", data_dir=tmp_path, dtype=dtype, quantization="int8")
         runner = ModelRunner(lm.model, EngineConfig(num_kv_blocks=32, block_size=4, dtype=dtype))
-        assert runner.cpu_ops is not None and runner.fused_layers
+        assert runner.cpu_ops is not None and runner.decode_plan is not None
         if not on:
             runner.cpu_ops = None
             for m in lm.model.modules():
