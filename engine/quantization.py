@@ -39,15 +39,16 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ops: kernels.CpuOps | None = None  # see use_kernels
-        self.kernel_scales: torch.Tensor | None = None
-        self.kernel_bias: torch.Tensor | None = None
+        self.kernel: kernels.ProjWeights | None = None
 
     def use_kernels(self, ops: kernels.CpuOps) -> None:
         """Serve fp32 inputs of at most `kernels.MAX_ROWS` rows with `ops.int8_linear` (an
         fp32 result); the kernel takes fp32 scales and bias, kept beside (N floats each)."""
         self.ops = ops
-        self.kernel_scales = self.scales.float().contiguous()
-        self.kernel_bias = None if self.bias is None else self.bias.detach().float()
+        bias = None if self.bias is None else self.bias.detach().float()
+        self.kernel = kernels.ProjWeights(
+            self.qweight, bias, scale=self.scales.float().contiguous()
+        )
 
     def set_output_dtype(self, dtype: torch.dtype) -> None:
         """Return `dtype` from now on; the scales stay in the activation dtype (after a
@@ -58,9 +59,7 @@ class Int8Linear(nn.Module):
 
     def kernel_weights(self) -> kernels.ProjWeights | None:
         """The int8 weight as `CpuOps.decode_layers` takes it, once on the kernels."""
-        if self.ops is None:
-            return None
-        return kernels.ProjWeights(self.qweight, self.kernel_bias, scale=self.kernel_scales)
+        return None if self.ops is None else self.kernel
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); with `out`, added into it (one kernel call on the kernel path)."""
@@ -70,10 +69,9 @@ class Int8Linear(nn.Module):
             and x.shape[0] <= kernels.MAX_ROWS
             and x.dtype == torch.float32
         ):
-            assert self.kernel_scales is not None
-            return self.ops.int8_linear(
-                x.contiguous(), self.qweight, self.kernel_scales, self.kernel_bias, out=out
-            )
+            k = self.kernel
+            assert k is not None and k.scale is not None
+            return self.ops.int8_linear(x.contiguous(), k.weight, k.scale, k.bias, out=out)
         y = self._torch_forward(x)
         return y if out is None else out.add_(y)
 

@@ -12,10 +12,12 @@ steps of int8 models.
 
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
 microseconds of dispatch (benchmarks/RESULTS.md), around GEMVs that torch runs below memory
-speed for bf16 weights without native bf16. Here each small op is one call, and the bf16
-GEMV streams its weights once for up to MAX_ROWS rows. In larger steps of a bf16 model the
-bf16 small ops (RMSNorm, RoPE, SiLU*up) and `attn_paged` replace several torch ops each and
-the gather of every request's padded keys (benchmarks/RESULTS.md, Engine).
+speed for bf16 weights without native bf16. Here each small op is one call, a step's
+layers are one call together (`decode_layers`: the Python around ~10 calls a layer cost
+~0.7 ms a token), and the GEMVs stream their weights once for up to MAX_ROWS rows. In
+larger steps of a bf16 model the bf16 small ops (RMSNorm, RoPE, SiLU*up) and `attn_paged`
+replace several torch ops each and the gather of every request's padded keys
+(benchmarks/RESULTS.md, Engine).
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ class LayerWeights:
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """A model's layers for `CpuOps.decode_layers`, built once (`CpuOps.decode_plan`); it
-    holds the tensors whose addresses the C structs keep."""
+    """A runner's layers and KV caches for `CpuOps.decode_layers`, built once
+    (`CpuOps.decode_plan`); it holds the tensors whose addresses the C structs keep."""
 
     model: _Model
     layers: ctypes.Array[_Layer]
