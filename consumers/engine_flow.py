@@ -95,6 +95,8 @@ class FlowConfig(Protocol):
     @property
     def max_engine_waiting(self) -> int: ...
     @property
+    def max_engine_waiting_tokens(self) -> int: ...
+    @property
     def max_kv_usage(self) -> float: ...
     @property
     def max_engine_deaths(self) -> int: ...
@@ -318,25 +320,49 @@ class RequestFlow:
                 self.backend.abort(item.request_id)
 
     # -- admission ------------------------------------------------------------------------
-    def engine_full(self, extra: int) -> bool:
+    def engine_full(self, extra: int, unstarted_tokens: int | None = None) -> bool:
+        """Whether the engine takes no more requests now (`extra` are on their way in).
+
+        Besides the count of waiting requests, the prompt tokens of those without a first
+        token yet (`unstarted_tokens`; counted here when None) are held to
+        `max_engine_waiting_tokens`, about two steps' worth: enough that the engine's next
+        step fills its token budget with prefills, while the rest of a burst waits in the
+        fair queue. With a count alone, a burst of short prompts reached the engine a few
+        at a time and its last first tokens waited several more steps
+        (benchmarks/RESULTS.md, Serving).
+        """
         config = self.config
         in_engine = self.num_in_engine + extra
         if in_engine >= config.max_in_engine:
             return True
         stats = self.backend.stats()
         waiting = max(stats.num_waiting + stats.num_pending, in_engine - stats.num_running)
-        return waiting >= config.max_engine_waiting or stats.kv_usage >= config.max_kv_usage
+        if waiting >= config.max_engine_waiting or stats.kv_usage >= config.max_kv_usage:
+            return True
+        if unstarted_tokens is None:
+            unstarted_tokens = self.unstarted_tokens()
+        return unstarted_tokens >= config.max_engine_waiting_tokens
+
+    def unstarted_tokens(self) -> int:
+        """Prompt tokens of the requests in the engine that have no first token yet."""
+        return sum(
+            len(i.request.prompt_token_ids)
+            for i in self._items.values()
+            if i.in_engine and i.first_token_ms is None
+        )
 
     def admit(self) -> None:
         if self.stopping or not self.stats.healthy or not self.engine_up:
             return
         batch: list[WorkItem] = []
-        while not self.engine_full(len(batch)):
+        unstarted = self.unstarted_tokens()
+        while not self.engine_full(len(batch), unstarted):
             item = self._buffer.pop()
             if item is None:
                 break
             item.start()
             batch.append(item)
+            unstarted += len(item.request.prompt_token_ids)
         self._admit_urgent(batch)
         if batch:
             self.num_in_engine += len(batch)
@@ -352,8 +378,9 @@ class RequestFlow:
         requests (preempted ones go back to it) that only leave as running ones finish,
         so the lane-blind `engine_full` would hold an interactive request for seconds.
         The engine's priority scheduling serves it first (and preempts for it), so it may
-        enter while fewer than `max_engine_waiting` requests of its own lane wait in the
-        engine for their first token; `max_in_engine` and `max_kv_usage` still hold.
+        enter while fewer than `max_engine_waiting` requests (and `max_engine_waiting_tokens`
+        prompt tokens) of its own lane wait in the engine for their first token;
+        `max_in_engine` and `max_kv_usage` still hold.
         Counting its running requests instead held new ones in this buffer (and paused
         the lane's partition) whenever 8 interactive requests were decoding
         (benchmarks/RESULTS.md).
@@ -362,13 +389,19 @@ class RequestFlow:
         if not self._buffer.count(lane):
             return
         config = self.config
-        urgent = sum(
-            1
+        unstarted = [
+            i
             for i in self._items.values()
             if i.in_engine and i.lane == lane and i.first_token_ms is None
-        )
-        urgent += sum(1 for i in batch if i.lane == lane)
-        while self._buffer.count(lane) and urgent < config.max_engine_waiting:
+        ]
+        unstarted += [i for i in batch if i.lane == lane]  # not in the engine yet
+        urgent = len(unstarted)
+        tokens = sum(len(i.request.prompt_token_ids) for i in unstarted)
+        while (
+            self._buffer.count(lane)
+            and urgent < config.max_engine_waiting
+            and tokens < config.max_engine_waiting_tokens
+        ):
             if self.num_in_engine + len(batch) >= config.max_in_engine:
                 return
             if self.backend.stats().kv_usage >= config.max_kv_usage:
@@ -379,6 +412,7 @@ class RequestFlow:
             item.start()
             batch.append(item)
             urgent += 1
+            tokens += len(item.request.prompt_token_ids)
 
     async def _begin(self, items: list[WorkItem]) -> list[AttemptStart]:
         """Begin the items' attempts; raises ProgressUnavailable after 5 tries (3.1 s)."""

@@ -55,7 +55,8 @@ class EngineWorkerConfig:
     """Tuning of one engine worker; `sluice.settings.EngineWorkerSettings` builds it.
 
     Backpressure: a partition is paused while the engine is full (waiting + pending
-    requests at `max_engine_waiting`, KV usage at `max_kv_usage`, or `max_in_engine`
+    requests at `max_engine_waiting`, the prompt tokens of its requests without a first
+    token at `max_engine_waiting_tokens`, KV usage at `max_kv_usage`, or `max_in_engine`
     requests submitted) and `full_engine_lookahead` of its requests are buffered, or
     whenever it has `max_buffered_per_partition` buffered. Pausing per partition (not
     per lane) keeps a tenant's backlog on one partition from blocking the others; the
@@ -78,7 +79,10 @@ class EngineWorkerConfig:
     # Lets the fair queue see each tenant's next requests while the engine is full (with
     # 1, a heavy tenant took the slots through a ramp-up; benchmarks/RESULTS.md).
     full_engine_lookahead: int = 8
-    max_engine_waiting: int = 8
+    max_engine_waiting: int = 64
+    # about two steps of the engine's default token budget (2,048): see
+    # `RequestFlow.engine_full`
+    max_engine_waiting_tokens: int = 4096
     max_kv_usage: float = 0.9
     max_in_engine: int = 128
     cancel_ttl_s: float = 600.0

@@ -1,7 +1,7 @@
 """`EngineOptions`: how the engine runs on this host, beside what it computes (`EngineConfig`).
 
 The one home of the engine's runtime options: native kernels, prepacking, upcasting,
-the kernel cache, the engine thread's nice value and cores, torch's thread count and the
+the kernel cache, the engine thread's nice value and cores, torch's thread counts and the
 serving process's GIL switch interval. Each default is written here once; `sluice.settings`
 derives its `SLUICE_*` defaults from `EngineOptions()` and the composition root builds
 one from the settings. Nothing in `engine` reads the environment.
@@ -38,6 +38,12 @@ class EngineOptions:
     cpu_upcast: bool = True
     # torch's intra-op threads in the engine's process; None leaves torch's default
     torch_threads: int | None = None
+    # torch's threads for a step of at least `prefill_min_tokens` tokens (on CPU): its
+    # GEMMs are long enough that more threads pay for their barriers even when another
+    # process takes a core now and then, where short decode steps lose (benchmarks/
+    # RESULTS.md, Serving). None: `torch_threads` for every step.
+    prefill_threads: int | None = None
+    prefill_min_tokens: int = 256
     # The engine thread's nice value, applied as it starts when torch computes on that
     # thread alone: a busy engine then yields its core to the threads that move requests
     # and tokens (the worker's loop, the Kafka clients), and takes every cycle they

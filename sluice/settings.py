@@ -207,6 +207,18 @@ class ModelSettings(_Base):
         description="intra-op threads of the engine; unset: on CPU all cores but one (a"
         " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
     )
+    prefill_threads: int | None = Field(
+        default=_ENGINE.prefill_threads,
+        ge=1,
+        description="intra-op threads of an engine step of at least SLUICE_PREFILL_MIN_TOKENS"
+        " tokens; unset: on CPU, when SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS are unset,"
+        " every core (a prefill's GEMMs pay for a thread on a core the rest also uses)",
+    )
+    prefill_min_tokens: int = Field(
+        default=_ENGINE.prefill_min_tokens,
+        ge=1,
+        description="tokens from which an engine step runs on SLUICE_PREFILL_THREADS",
+    )
     engine_cpus: str | None = Field(
         default=None,
         pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$",
@@ -260,10 +272,13 @@ class ModelSettings(_Base):
         return value
 
     def engine_options(
-        self, torch_threads: int | None, cpus: frozenset[int] | None
+        self,
+        torch_threads: int | None,
+        cpus: frozenset[int] | None,
+        prefill_threads: int | None = None,
     ) -> EngineOptions:
-        """The engine's runtime options; `torch_threads` and `cpus` as the composition
-        root resolved them for the device (`sluice.wiring.engine_options`)."""
+        """The engine's runtime options; `torch_threads`, `cpus` and `prefill_threads` as
+        the composition root resolved them for the device (`sluice.wiring.engine_options`)."""
         return EngineOptions(
             kernels=self.engine_kernels,
             kernel_cache_dir=self.kernel_cache,
@@ -271,6 +286,8 @@ class ModelSettings(_Base):
             prepack=self.engine_prepack,
             cpu_upcast=self.engine_cpu_upcast,
             torch_threads=torch_threads,
+            prefill_threads=prefill_threads,
+            prefill_min_tokens=self.prefill_min_tokens,
             thread_nice=self.engine_thread_nice,
             cpus=cpus,
             gil_switch_interval_s=self.gil_switch_interval_s,
@@ -460,7 +477,13 @@ class EngineWorkerSettings(Settings):
     poll_max_records: int = Field(default=64, ge=1, le=10_000)
     max_buffered_per_partition: int = Field(default=32, ge=1)
     full_engine_lookahead: int = Field(default=8, ge=1)
-    max_engine_waiting: int = Field(default=8, ge=1)
+    max_engine_waiting: int = Field(default=64, ge=1)
+    max_engine_waiting_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="prompt tokens of the engine's requests without a first token from which"
+        " the worker holds new ones in its fair queue (about two steps' token budget)",
+    )
     max_kv_usage: float = Field(default=0.9, gt=0, le=1.0)
     max_in_engine: int = Field(default=128, ge=1)
     cancel_ttl_s: float = Field(default=600.0, gt=0)
@@ -490,6 +513,7 @@ class EngineWorkerSettings(Settings):
             "max_buffered_per_partition": self.max_buffered_per_partition,
             "full_engine_lookahead": self.full_engine_lookahead,
             "max_engine_waiting": self.max_engine_waiting,
+            "max_engine_waiting_tokens": self.max_engine_waiting_tokens,
             "max_kv_usage": self.max_kv_usage,
             "max_in_engine": self.max_in_engine,
             "cancel_ttl_s": self.cancel_ttl_s,

@@ -159,11 +159,29 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
         return settings.torch_threads
     if device != "cpu":
         return None
+    return max(1, _usable_cores() - 1)
+
+
+def resolve_prefill_threads(settings: ModelSettings, device: str) -> int | None:
+    """SLUICE_PREFILL_THREADS; unset: on CPU every core this process may use, unless the
+    engine's threads or cores were chosen (SLUICE_TORCH_THREADS, SLUICE_ENGINE_CPUS).
+
+    The core left to the rest by `resolve_torch_threads` idles through most of a prefill:
+    a step of many tokens is long enough to share it (benchmarks/RESULTS.md, Serving).
+    """
+    if settings.prefill_threads is not None:
+        return settings.prefill_threads
+    if device != "cpu" or settings.torch_threads is not None or settings.engine_cpus:
+        return None
+    cores = _usable_cores()
+    return cores if cores > 1 else None
+
+
+def _usable_cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+        return os.cpu_count() or 1
 
 
 def engine_options(settings: ModelSettings) -> EngineOptions:
@@ -174,7 +192,11 @@ def engine_options(settings: ModelSettings) -> EngineOptions:
     device = resolve_device(settings)
     threads = resolve_torch_threads(settings, device)
     layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
-    return settings.engine_options(threads, layout.engine if layout is not None else None)
+    return settings.engine_options(
+        threads,
+        layout.engine if layout is not None else None,
+        resolve_prefill_threads(settings, device),
+    )
 
 
 def apply_process_effects(settings: ModelSettings, options: EngineOptions) -> None:

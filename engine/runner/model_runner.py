@@ -111,6 +111,10 @@ class ModelRunner:
     ) -> None:
         options = options or EngineOptions()
         self.model = model.eval().requires_grad_(False)
+        # steps of many tokens on more threads (EngineOptions.prefill_threads)
+        self._threads = self._step_threads = torch.get_num_threads()
+        self._prefill_threads = options.prefill_threads if config.device == "cpu" else None
+        self._prefill_min_tokens = options.prefill_min_tokens
         self.config = config
         self.device = torch.device(config.device)
         self.weights_dtype = torch_dtype(config.dtype)
@@ -170,12 +174,21 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
+    def _set_threads(self, tokens: int) -> None:
+        assert self._prefill_threads is not None
+        want = self._prefill_threads if tokens >= self._prefill_min_tokens else self._threads
+        if want != self._step_threads:
+            torch.set_num_threads(want)  # the calling (engine) thread's OpenMP setting too
+            self._step_threads = want
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         torch.set_flush_denormal(True)  # per thread: the engine loop may run in any thread
         for rid in scheduler_output.finished_request_ids:
             self._generators.pop(rid, None)
         if scheduler_output.is_empty:
             return RunnerOutput()
+        if self._prefill_threads is not None:
+            self._set_threads(scheduler_output.num_batched_tokens)
         with torch.inference_mode():
             inputs = prepare_inputs(
                 scheduler_output,

@@ -93,6 +93,27 @@ def test_a_full_engine_keeps_a_lookahead_of_each_partition_buffered() -> None:
     assert 3 <= max_buffered <= 3 + 1
 
 
+def test_the_engine_holds_prompt_tokens_up_to_the_limit_and_the_rest_waits_in_the_worker() -> None:
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    requests = [make_request(f"r{i:02}", prompt=[1, 2, 3, i], max_tokens=5) for i in range(20)]
+    client.send(*requests)
+    backend = FakeEngineBackend(step_s=0.002, max_running=1)
+    cfg = config(max_engine_waiting=100, max_engine_waiting_tokens=10)
+    worker = WorkerThread(bus, backend, cfg).start()
+    max_waiting = 0
+    deadline = time.monotonic() + 20
+    while len(client.usage) < 20:
+        assert time.monotonic() < deadline
+        stats = backend.stats()
+        max_waiting = max(max_waiting, stats.num_waiting + stats.num_pending)
+        client.pump(0.002)
+    worker.stop()
+    # 4 tokens a prompt: a third request enters at 8 waiting tokens, a fourth never
+    assert 2 <= max_waiting <= 3
+
+
 def test_interactive_overtakes_a_batch_backlog_which_still_finishes() -> None:
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)

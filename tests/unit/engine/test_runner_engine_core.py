@@ -10,6 +10,7 @@ from engine.backends.base import EngineRequest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 from engine.loader import LoadedModel, load_model
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.unit.engine.runner_driver import save_hf_model
@@ -31,12 +32,12 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, dict[st
 
 
 def _generate(
-    lm: LoadedModel, prompts: list[list[int]], **cfg: object
+    lm: LoadedModel, prompts: list[list[int]], options: EngineOptions | None = None, **cfg: object
 ) -> tuple[list[list[int]], int]:
     config = EngineConfig(dtype="float32", block_size=4, max_model_len=128, **cfg)  # type: ignore[arg-type]
     core = EngineCore(
         config,
-        ModelRunner(lm.model, config),
+        ModelRunner(lm.model, config, options),
         eos_token_ids=lm.eos_token_ids,
         detokenizers=tokenizer_detokenizers(lm.tokenizer),
     )
@@ -56,6 +57,24 @@ def test_continuous_batching_with_chunked_prefill(
     lm, expected = case
     got, _ = _generate(lm, PROMPTS, num_kv_blocks=128, max_num_batched_tokens=10)
     assert got == [expected[str(p)] for p in PROMPTS]
+
+
+def test_prefill_threads_take_the_long_steps_only(
+    case: tuple[LoadedModel, dict[str, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lm, expected = case
+    calls: list[int] = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
+    set_threads(1)
+    try:
+        options = EngineOptions(prefill_threads=2, prefill_min_tokens=20)
+        got, _ = _generate(lm, PROMPTS, options, num_kv_blocks=128)
+    finally:
+        set_threads(2)
+    assert got == [expected[str(p)] for p in PROMPTS]
+    # the first step prefills every prompt (>= 20 tokens), then 4 decodes a step
+    assert calls == [2, 1]
 
 
 def test_prefix_cache_hit_gives_same_tokens(

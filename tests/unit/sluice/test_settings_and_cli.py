@@ -130,6 +130,29 @@ def test_torch_threads_leave_a_core_on_cpu_unless_set(monkeypatch: pytest.Monkey
     assert resolve_torch_threads(load_settings(ModelSettings), "cpu") == 2
 
 
+def test_prefill_threads_take_every_core_unless_the_engines_threads_are_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from sluice.settings import ModelSettings
+    from sluice.wiring import resolve_prefill_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert resolve_prefill_threads(load_settings(ModelSettings), "cpu") == 4
+    assert resolve_prefill_threads(load_settings(ModelSettings), "cuda") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert resolve_prefill_threads(load_settings(ModelSettings), "cpu") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for var, value in [("SLUICE_TORCH_THREADS", "1"), ("SLUICE_ENGINE_CPUS", "auto")]:
+        monkeypatch.setenv(var, value)
+        assert resolve_prefill_threads(load_settings(ModelSettings), "cpu") is None
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLUICE_PREFILL_THREADS", "3")
+    monkeypatch.setenv("SLUICE_TORCH_THREADS", "1")
+    assert resolve_prefill_threads(load_settings(ModelSettings), "cpu") == 3
+
+
 def test_engine_cpus_take_auto_or_a_cpu_list(monkeypatch: pytest.MonkeyPatch) -> None:
     from sluice.settings import ModelSettings
 
@@ -153,7 +176,9 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     cpu = {"device": "cpu"}
-    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(torch_threads=3)
+    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(
+        torch_threads=3, prefill_threads=4
+    )
     for var, value in [
         ("SLUICE_ENGINE_KERNELS", "0"),
         ("SLUICE_KERNEL_CACHE", str(tmp_path)),
@@ -163,6 +188,8 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
         ("SLUICE_ENGINE_THREAD_NICE", "none"),
         ("SLUICE_GIL_SWITCH_INTERVAL_S", "0.001"),
         ("SLUICE_ENGINE_CPUS", "3"),
+        ("SLUICE_PREFILL_THREADS", "2"),
+        ("SLUICE_PREFILL_MIN_TOKENS", "64"),
     ]:
         monkeypatch.setenv(var, value)
     assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(
@@ -172,6 +199,8 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
         prepack=False,
         cpu_upcast=False,
         torch_threads=3,
+        prefill_threads=2,
+        prefill_min_tokens=64,
         thread_nice=None,
         cpus=frozenset({3}),
         gil_switch_interval_s=0.001,
