@@ -340,29 +340,31 @@ class RequestFlow:
         if waiting >= config.max_engine_waiting or stats.kv_usage >= config.max_kv_usage:
             return True
         if unstarted_tokens is None:
-            unstarted_tokens = self.unstarted_tokens()
+            unstarted_tokens = self._unstarted()[1]
         return unstarted_tokens >= config.max_engine_waiting_tokens
 
-    def unstarted_tokens(self) -> int:
-        """Prompt tokens of the requests in the engine that have no first token yet."""
-        return sum(
-            len(i.request.prompt_token_ids)
+    def _unstarted(self, lane: str | None = None) -> tuple[int, int]:
+        """The requests in the engine (of `lane`, or all) without a first token yet, and
+        their prompt tokens."""
+        items = [
+            i
             for i in self._items.values()
-            if i.in_engine and i.first_token_ms is None
-        )
+            if i.in_engine and i.first_token_ms is None and lane in (None, i.lane)
+        ]
+        return len(items), sum(i.prompt_tokens for i in items)
 
     def admit(self) -> None:
         if self.stopping or not self.stats.healthy or not self.engine_up:
             return
         batch: list[WorkItem] = []
-        unstarted = self.unstarted_tokens()
+        unstarted = self._unstarted()[1]
         while not self.engine_full(len(batch), unstarted):
             item = self._buffer.pop()
             if item is None:
                 break
             item.start()
             batch.append(item)
-            unstarted += len(item.request.prompt_token_ids)
+            unstarted += item.prompt_tokens
         self._admit_urgent(batch)
         if batch:
             self.num_in_engine += len(batch)
@@ -389,14 +391,11 @@ class RequestFlow:
         if not self._buffer.count(lane):
             return
         config = self.config
-        unstarted = [
-            i
-            for i in self._items.values()
-            if i.in_engine and i.lane == lane and i.first_token_ms is None
-        ]
-        unstarted += [i for i in batch if i.lane == lane]  # not in the engine yet
-        urgent = len(unstarted)
-        tokens = sum(len(i.request.prompt_token_ids) for i in unstarted)
+        urgent, tokens = self._unstarted(lane)
+        for entering in batch:  # not in the engine yet
+            if entering.lane == lane:
+                urgent += 1
+                tokens += entering.prompt_tokens
         while (
             self._buffer.count(lane)
             and urgent < config.max_engine_waiting
@@ -412,7 +411,7 @@ class RequestFlow:
             item.start()
             batch.append(item)
             urgent += 1
-            tokens += len(item.request.prompt_token_ids)
+            tokens += item.prompt_tokens
 
     async def _begin(self, items: list[WorkItem]) -> list[AttemptStart]:
         """Begin the items' attempts; raises ProgressUnavailable after 5 tries (3.1 s)."""

@@ -160,8 +160,12 @@ class WorkItem:
         return self.request.lane.value
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
     def cost(self) -> int:
-        return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+        return self.prompt_tokens + self.request.sampling.max_tokens
 
     @property
     def silent(self) -> bool:
