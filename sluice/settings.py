@@ -231,6 +231,13 @@ class ModelSettings(_Base):
         description="run the engine in a process of its own (no GIL shared with the bus"
         " clients and the gateway); false: a thread of the serving process",
     )
+    engine_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine processes that share the requests (data parallel), each with"
+        " its model copy and its share of SLUICE_KV_CACHE_MB; unset: on CPU with"
+        " SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS unset, one per core, elsewhere one",
+    )
     engine_thread_nice: int | None = Field(
         default=_ENGINE.thread_nice,
         ge=-20,

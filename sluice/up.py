@@ -184,6 +184,15 @@ def sluice_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "sluice", *args]
 
 
+def engine_worker_env(engine_workers: int, env: Mapping[str, str]) -> dict[str, str]:
+    """What an engine worker adds to the shared `env`: with several workers on this host,
+    one engine process each unless SLUICE_ENGINE_REPLICAS says otherwise (its default,
+    `sluice.wiring.resolve_engine_replicas`, counts on the host's cores for one worker)."""
+    if engine_workers == 1 or "SLUICE_ENGINE_REPLICAS" in env:
+        return {}
+    return {"SLUICE_ENGINE_REPLICAS": "1"}
+
+
 def run_up(
     gateway_args: Sequence[str],
     worker_args: Sequence[str],
@@ -227,6 +236,7 @@ def run_up(
         Child(
             f"engine-worker-{i}",
             sluice_argv("worker", "engine", *worker_args),
+            engine_worker_env(engine_workers, env),
             stage=ENGINE,
             stop_timeout_s=engine_drain_timeout_s + ENGINE_STOP_AFTER_DRAIN_S,
         )

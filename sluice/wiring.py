@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from engine.backends.process_backend import ProcessEngineBackend
+    from engine.backends.replicated import ReplicatedBackend
     from engine.backends.sim_backend import SimEngineBackend
     from engine.backends.torch_backend import TorchEngineBackend
     from engine.backends.trtllm_backend import TrtllmEngineBackend
@@ -121,6 +122,9 @@ def resolve_dtype(settings: ModelSettings, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")  # a checkpoint's weight files
+
+
 def model_dir(settings: Settings) -> Path:
     from engine.loader import resolve_model_dir
 
@@ -177,6 +181,36 @@ def resolve_prefill_threads(settings: ModelSettings, device: str) -> int | None:
     return cores if cores > 1 else None
 
 
+def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
+    """SLUICE_ENGINE_REPLICAS for the torch engine in processes of its own; unset: on CPU,
+    when SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS are unset, 2 on a host of 2 cores or
+    more whose memory holds both model copies with room to spare, else 1.
+
+    Two single-threaded engines on 2 cores outran one engine with prefill threads by
+    1.17x at a burst (benchmarks/RESULTS.md, Serving): neither waits for a thread that
+    lost its core to the gateway (`engine.backends.replicated`).
+    """
+    if not settings.engine_process or settings.backend != "torch":
+        return 1
+    if settings.engine_replicas is not None:
+        return settings.engine_replicas
+    if device != "cpu" or settings.torch_threads is not None or settings.engine_cpus:
+        return 1
+    if _usable_cores() < 2 or not _copies_fit(Path(settings.model), 2):
+        return 1
+    return 2
+
+
+def _copies_fit(model: Path, copies: int) -> bool:
+    """`copies` of the checkpoint in directory `model`, each perhaps widened to fp32 (x2),
+    within a quarter of the host's memory; a preset's (not a directory) is small."""
+    if not model.is_dir():
+        return True
+    weights = sum(f.stat().st_size for f in model.iterdir() if f.suffix in WEIGHT_SUFFIXES)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return copies * weights * 2 <= memory / 4
+
+
 def _usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -190,6 +224,10 @@ def engine_options(settings: ModelSettings) -> EngineOptions:
     if settings.backend == "sim":  # nothing to compute: no torch threads, no engine cores
         return settings.engine_options(None, None)
     device = resolve_device(settings)
+    replicas = resolve_engine_replicas(settings, device)
+    if replicas > 1:  # a share of the cores each, all steps alike
+        share = settings.torch_threads or max(1, _usable_cores() // replicas)
+        return settings.engine_options(share, None)
     threads = resolve_torch_threads(settings, device)
     layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
     return settings.engine_options(
@@ -227,6 +265,7 @@ def build_backend(
 ) -> (
     TorchEngineBackend
     | ProcessEngineBackend
+    | ReplicatedBackend
     | SimEngineBackend
     | UpstreamEngineBackend
     | TrtllmEngineBackend
@@ -260,6 +299,11 @@ def build_backend(
         from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 
         spec = EngineSpec(path, config, settings.data_dir, settings.quantization, options)
+        replicas = resolve_engine_replicas(settings, device)
+        if replicas > 1:
+            from engine.backends.replicated import ReplicatedBackend
+
+            return ReplicatedBackend.of(spec, replicas)
         return ProcessEngineBackend(spec)  # loads the model as it starts
     from engine.backends.torch_backend import TorchEngineBackend
 

@@ -83,6 +83,11 @@ class ProcessEngineBackend:
         self._stopping = False
         self._error: str | None = None
 
+    def attach(self, channel: Any) -> None:
+        """Post each step to `channel` (`open(loop)`, `post(batch)`) instead of this
+        backend's own `deltas()` stream: `ReplicatedBackend` merges its replicas'."""
+        self._channel = channel
+
     # -- lifecycle -------------------------------------------------------------------
     def start(self, loop: Any = None) -> None:
         """Spawn the engine process and wait until its model is loaded."""

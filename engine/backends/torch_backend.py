@@ -123,6 +123,11 @@ class TorchEngineBackend:
         )
         return cls(core, tokenizer=loaded.tokenizer, options=options)
 
+    def attach(self, channel: Any) -> None:
+        """Post each step to `channel` (`open(loop)`, `post(batch)`) instead of this
+        backend's own `deltas()` stream (`engine.backends.replicated`)."""
+        self._channel, self._sink = channel, channel.post
+
     # -- lifecycle -------------------------------------------------------------------
     def start(
         self,

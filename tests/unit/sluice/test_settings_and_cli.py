@@ -153,6 +153,47 @@ def test_prefill_threads_take_every_core_unless_the_engines_threads_are_chosen(
     assert resolve_prefill_threads(load_settings(ModelSettings), "cpu") == 3
 
 
+def test_engine_replicas_are_two_on_a_cpu_host_unless_its_engine_is_sized(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import os
+
+    from sluice.settings import ModelSettings
+    from sluice.wiring import resolve_engine_replicas
+
+    def replicas(device: str = "cpu", **overrides: object) -> int:
+        return resolve_engine_replicas(load_settings(ModelSettings, **overrides), device)
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert replicas() == 2
+    assert replicas("cuda") == 1
+    assert replicas(engine_process=False) == 1  # one engine thread in the serving process
+    assert replicas(backend="sim") == 1
+    for var, value in [("SLUICE_TORCH_THREADS", "1"), ("SLUICE_ENGINE_CPUS", "auto")]:
+        monkeypatch.setenv(var, value)
+        assert replicas() == 1
+        monkeypatch.delenv(var)
+    # a checkpoint whose two copies would take much of the host's memory: one engine
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(memory // 8)  # sparse: no disk used
+    assert replicas(model=str(tmp_path)) == 1
+    (tmp_path / "model.safetensors").unlink()
+    assert replicas(model=str(tmp_path)) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert replicas() == 1
+    monkeypatch.setenv("SLUICE_ENGINE_REPLICAS", "3")
+    assert replicas() == 3
+
+
+def test_sluice_up_gives_several_engine_workers_one_engine_each_unless_told() -> None:
+    from sluice.up import engine_worker_env
+
+    assert engine_worker_env(1, {}) == {}
+    assert engine_worker_env(2, {}) == {"SLUICE_ENGINE_REPLICAS": "1"}
+    assert engine_worker_env(2, {"SLUICE_ENGINE_REPLICAS": "2"}) == {}
+
+
 def test_engine_cpus_take_auto_or_a_cpu_list(monkeypatch: pytest.MonkeyPatch) -> None:
     from sluice.settings import ModelSettings
 
@@ -176,6 +217,9 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     cpu = {"device": "cpu"}
+    # two engine processes (`resolve_engine_replicas`), half the cores each
+    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(torch_threads=2)
+    monkeypatch.setenv("SLUICE_ENGINE_REPLICAS", "1")
     assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(
         torch_threads=3, prefill_threads=4
     )

@@ -1,0 +1,141 @@
+"""Two engine processes behind one backend (tiny-llama, CPU): requests spread between
+them with the tokens one engine gives, aborts reach the right one, and a kill -9 of one
+ends only its requests (retryable) while the other's come through the restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    RequestRejectedError,
+)
+from engine.backends.process_backend import EngineSpec
+from engine.backends.replicated import ReplicatedBackend, replica_specs
+from engine.config import EngineConfig
+from tests.unit.engine.test_backend_contract import _kill_torch, make_replicated
+from tests.unit.engine.test_process_backend import CONFIG, PROMPT, greedy, tokens, until_terminal
+
+FAKE_PROMPT = [1, 2, 3]  # the fake runner's vocabulary holds ids < 97
+slow = pytest.mark.slow  # each replica starts an interpreter that imports torch
+
+
+def test_replica_specs_split_the_kv_cache(tmp_path: Path) -> None:
+    spec = EngineSpec("tiny-llama", EngineConfig(kv_cache_mb=256.0), tmp_path)
+    specs = replica_specs(spec, 2)
+    assert [s.config.kv_cache_mb for s in specs] == [128.0, 128.0]
+    assert all(s.model == "tiny-llama" and s.config.max_model_len == 2048 for s in specs)
+
+
+def test_one_dead_replica_ends_its_requests_and_the_stream_the_other_goes_on() -> None:
+    async def main() -> None:
+        engine = make_replicated()
+        engine.start()
+        engine.submit(EngineRequest("a", FAKE_PROMPT, greedy(40)))  # replica 0
+        engine.submit(EngineRequest("b", FAKE_PROMPT, greedy(40)))  # replica 1
+        got: list[EngineDelta] = []
+        async with asyncio.timeout(20):
+            async for batch in engine.deltas():  # ends at the death
+                got += batch
+                if len(got) == 1:
+                    _kill_torch(engine.replicas[0])  # type: ignore[arg-type]
+        ends = {d.request_id: d for d in got if d.finished}
+        assert ends["a"].finish_reason == "error" and ends["a"].retryable
+        assert "b" not in ends
+        assert not engine.health() and engine.error is not None
+        engine.submit(EngineRequest("c", FAKE_PROMPT, greedy(5)))  # to the live replica
+        more: dict[str, list[EngineDelta]] = {}
+        await until_terminal(engine.deltas(), {"b", "c"}, more)
+        b = [d for d in got if d.request_id == "b"] + more["b"]
+        assert len(tokens(b)) == 40 and b[-1].finish_reason == "length"
+        assert more["c"][-1].finish_reason == "length"
+        with pytest.raises(EngineDeadError, match="cannot start again"):
+            await asyncio.to_thread(engine.restart, asyncio.get_running_loop())
+        engine.shutdown()
+        async with asyncio.timeout(20):
+            async for _ in engine.deltas():  # ends once the live replica stopped
+                pass
+        with pytest.raises(EngineDeadError):
+            engine.submit(EngineRequest("d", FAKE_PROMPT, greedy(5)))
+
+    asyncio.run(main())
+
+
+@slow
+def test_replicas_share_the_requests_and_stream_what_one_engine_does(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = ReplicatedBackend.of(EngineSpec("tiny-llama", CONFIG, tmp_path), 2)
+        engine.start()
+        try:
+            assert engine.health() and engine.vocab_size == 512
+            assert len(set(engine.pids)) == 2 and None not in engine.pids
+            with pytest.raises(RequestRejectedError):  # checked before it goes anywhere
+                engine.submit(EngineRequest("long-prompt", list(range(1, 300)), greedy(4)))
+            stream = engine.deltas()
+            got: dict[str, list[EngineDelta]] = {}
+            for rid in ("a", "b", "c", "d"):
+                engine.submit(EngineRequest(rid, PROMPT, greedy(24)))
+            engine.submit(EngineRequest("cut", PROMPT, greedy(200)))
+            await until_terminal(
+                stream, {"a", "b", "c", "d", "cut"}, got, lambda d: engine.abort("cut")
+            )
+            # the same greedy tokens from either replica
+            assert len({tuple(tokens(got[r])) for r in "abcd"}) == 1
+            assert all(len(tokens(got[r])) == 24 for r in "abcd")
+            assert got["cut"][-1].finish_reason == "abort"
+            # both engines worked: each ran steps and generated tokens
+            parts = [r.stats() for r in engine.replicas]
+            assert all(p.num_generated_tokens > 0 for p in parts)
+            total = engine.stats()
+            assert total.num_generated_tokens == sum(p.num_generated_tokens for p in parts)
+            assert total.num_kv_blocks == sum(p.num_kv_blocks for p in parts)
+        finally:
+            engine.shutdown()
+        assert not engine.health()
+
+    asyncio.run(main())
+
+
+@slow
+def test_a_killed_replica_ends_its_own_requests_and_restarts_alone(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = ReplicatedBackend.of(EngineSpec("tiny-llama", CONFIG, tmp_path), 2)
+        engine.start()
+        try:
+            survivor_pid = engine.pids[1]
+            engine.submit(EngineRequest("a", PROMPT, greedy(200)))  # replica 0
+            engine.submit(EngineRequest("b", PROMPT, greedy(200)))  # replica 1
+            got: list[EngineDelta] = []
+            killed = False
+            async with asyncio.timeout(60):
+                async for batch in engine.deltas():  # ends once, at the death
+                    got += batch
+                    if not killed and any(d.token_ids for d in batch):
+                        killed = True
+                        pid = engine.pids[0]
+                        assert pid is not None
+                        os.kill(pid, signal.SIGKILL)
+            ends = {d.request_id: d for d in got if d.finished}
+            assert ends["a"].finish_reason == "error" and ends["a"].retryable
+            assert not engine.health() and "exited" in (engine.error or "")
+
+            await asyncio.to_thread(engine.restart, asyncio.get_running_loop())
+            assert engine.health() and engine.pids[1] == survivor_pid
+            engine.submit(EngineRequest("c", PROMPT, greedy(16)))
+            want = {"b", "c"} - set(ends)
+            more: dict[str, list[EngineDelta]] = {}
+            await until_terminal(engine.deltas(), want, more)
+            b = [d for d in got if d.request_id == "b"] + more.get("b", [])
+            assert len(tokens(b)) == 200 and b[-1].finish_reason == "length"
+            assert len(tokens(more["c"])) == 16
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
