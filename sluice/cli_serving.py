@@ -189,9 +189,10 @@ def _report_startup(
         if not worker.health():
             typer.echo("sluice serve: the engine worker stopped before it was ready", err=True)
             return
-        pid = getattr(backend, "pid", None)
-        if pid is not None and not said_pid:
-            typer.echo(f"sluice serve: engine process pid={pid} started, loading", err=True)
+        pids = getattr(backend, "pids", None) or [getattr(backend, "pid", None)]
+        if None not in pids and not said_pid:
+            listed = ",".join(map(str, pids))
+            typer.echo(f"sluice serve: engine process pid={listed} started, loading", err=True)
             said_pid = True
         probe, service = app.state.worker_probe, app.state.gateway.service
         if server.started and service.ready and probe.ready():

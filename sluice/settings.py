@@ -235,8 +235,10 @@ class ModelSettings(_Base):
         default=None,
         ge=1,
         description="engine processes that share the requests (data parallel), each with"
-        " its model copy and its share of SLUICE_KV_CACHE_MB; unset: on CPU with"
-        " SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS unset, one per core, elsewhere one",
+        " its model copy and its share of SLUICE_KV_CACHE_MB; unset: 2 on a CPU host of 2"
+        " cores or more whose memory holds both copies, when SLUICE_TORCH_THREADS,"
+        " SLUICE_PREFILL_THREADS and SLUICE_ENGINE_CPUS are unset; else 1 (the engine"
+        " cores apply to one engine only)",
     )
     engine_thread_nice: int | None = Field(
         default=_ENGINE.thread_nice,

@@ -183,8 +183,9 @@ def resolve_prefill_threads(settings: ModelSettings, device: str) -> int | None:
 
 def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
     """SLUICE_ENGINE_REPLICAS for the torch engine in processes of its own; unset: on CPU,
-    when SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS are unset, 2 on a host of 2 cores or
-    more whose memory holds both model copies with room to spare, else 1.
+    when the engine's threads and cores are not chosen (SLUICE_TORCH_THREADS,
+    SLUICE_PREFILL_THREADS, SLUICE_ENGINE_CPUS), 2 on a host of 2 cores or more whose
+    memory holds both model copies with room to spare, else 1.
 
     Two single-threaded engines on 2 cores outran one engine with prefill threads by
     1.17x at a burst (benchmarks/RESULTS.md, Serving): neither waits for a thread that
@@ -194,7 +195,8 @@ def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
         return 1
     if settings.engine_replicas is not None:
         return settings.engine_replicas
-    if device != "cpu" or settings.torch_threads is not None or settings.engine_cpus:
+    chosen = settings.torch_threads, settings.prefill_threads, settings.engine_cpus
+    if device != "cpu" or any(c is not None for c in chosen):
         return 1
     if _usable_cores() < 2 or not _copies_fit(Path(settings.model), 2):
         return 1
@@ -225,9 +227,9 @@ def engine_options(settings: ModelSettings) -> EngineOptions:
         return settings.engine_options(None, None)
     device = resolve_device(settings)
     replicas = resolve_engine_replicas(settings, device)
-    if replicas > 1:  # a share of the cores each, all steps alike
-        share = settings.torch_threads or max(1, _usable_cores() // replicas)
-        return settings.engine_options(share, None)
+    if replicas > 1:  # all cores but one shared between them (at least one each), unpinned
+        share = settings.torch_threads or max(1, (_usable_cores() - 1) // replicas)
+        return settings.engine_options(share, None, settings.prefill_threads)
     threads = resolve_torch_threads(settings, device)
     layout = plan_layout(settings.engine_cpus, threads or 1) if device == "cpu" else None
     return settings.engine_options(

@@ -12,7 +12,9 @@ the KV cache. `submit` sends a request to the replica holding the fewest unfinis
 out of one `deltas()` stream, in order per request. The contract is the engine's: one
 terminal delta per request. When a replica dies, its requests end with 'error'
 (`retryable`) and `deltas()` ends once, as a single engine's would; the other replicas go
-on, their steps queued for the next stream. `restart()` starts the dead replicas again.
+on, their steps queued for the next stream (read once the worker has restarted the dead:
+their clients wait meanwhile). `restart()` starts the dead replicas again, and ends the
+stream once more if another died meanwhile, after that one's requests.
 """
 
 from __future__ import annotations
@@ -81,11 +83,15 @@ class ReplicatedBackend:
         self.vocab_size: int | None = None
         self.tokenizer: Any = None  # the gateway side loads its own
         self._channel = DeltaChannel()
-        self._lock = threading.Lock()  # owners, per-replica counts, `_down`, `_ended`
+        self._lock = threading.Lock()  # owners, counts, and the state below
         self._owner: dict[str, int] = {}  # request id -> replica index, until terminal
         self._counts = [0] * len(self.replicas)
         self._down: set[int] = set()  # replicas whose stream ended (dead or stopped)
+        self._ends = [0] * len(self.replicas)  # each replica's stream ends so far
         self._ended = False  # `deltas()` was ended for a death; `restart` reopens it
+        # replicas that died after that end: their requests' ends may follow it
+        self._unannounced: set[int] = set()
+        self._closed = False  # ... or for good, at shutdown
         self._stopping = False
         for i, replica in enumerate(self.replicas):
             replica.attach(_ReplicaChannel(functools.partial(self._on_post, i)))
@@ -99,7 +105,11 @@ class ReplicatedBackend:
         """Start every replica at once and wait until all are loaded; if one fails, stop
         the others and raise EngineDeadError."""
         self._channel.open(loop)
-        self._start(list(range(len(self.replicas))), loop)
+        try:
+            self._start(list(range(len(self.replicas))), loop)
+        except EngineDeadError:
+            self.shutdown()
+            raise
         first = self.replicas[0]
         self.config, self.vocab_size = first.config, first.vocab_size
 
@@ -113,17 +123,23 @@ class ReplicatedBackend:
             else:
                 raise EngineDeadError("this engine cannot start again")
 
+        with self._lock:
+            ends = {i: self._ends[i] for i in indices}
         with ThreadPoolExecutor(len(indices), thread_name_prefix="sluice-replica") as pool:
             futures = {i: pool.submit(one, i) for i in indices}
         failed = [(i, f.exception()) for i, f in futures.items() if f.exception() is not None]
-        with self._lock:
-            self._down.difference_update(i for i in indices if futures[i].exception() is None)
+        with self._lock:  # up, unless it died again since it started
+            self._down.difference_update(
+                i for i in indices if futures[i].exception() is None and self._ends[i] == ends[i]
+            )
         if failed:
             i, exc = failed[0]
             raise EngineDeadError(f"engine replica {i} failed to start: {exc}") from exc
 
     def restart(self, loop: Any = None) -> None:
-        """Start again the replicas that died; the others went on meanwhile."""
+        """Start again the replicas that died; the others went on meanwhile. If one died
+        after `deltas()` ended (during this restart too), the stream ends again, after
+        that one's requests' deltas, for the worker to pick them up."""
         with self._lock:
             if self._stopping:
                 raise EngineDeadError("engine is shut down")
@@ -131,7 +147,14 @@ class ReplicatedBackend:
         if dead:
             self._start(dead, loop, restart=True)
         with self._lock:
-            self._ended = False
+            stopping = self._stopping
+            again = bool(self._down or self._unannounced) and not stopping
+            self._ended, self._unannounced = again, set()
+        if stopping:  # shut down while these started
+            for i in dead:
+                self.replicas[i].shutdown()
+        elif again:
+            self._channel.post(None)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._lock:
@@ -139,6 +162,10 @@ class ReplicatedBackend:
         with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="sluice-replica") as pool:
             for replica in self.replicas:
                 pool.submit(replica.shutdown, timeout_s)
+        with self._lock:  # every replica was down already, or one did not end in time
+            end, self._closed = not self._closed, True
+        if end:
+            self._channel.post(None)
 
     def health(self) -> bool:
         return not self._stopping and all(r.health() for r in self.replicas)
@@ -200,8 +227,15 @@ class ReplicatedBackend:
             return
         with self._lock:
             self._down.add(i)
-            end = len(self._down) == len(self.replicas) if self._stopping else not self._ended
-            self._ended = self._ended or not self._stopping
+            self._ends[i] += 1
+            if self._stopping:
+                end = len(self._down) == len(self.replicas) and not self._closed
+                self._closed = self._closed or end
+            elif self._ended:  # `restart` ends the stream again after its requests' ends
+                end = False
+                self._unannounced.add(i)
+            else:  # the first death since `restart` ends the stream; it restarts all
+                end = self._ended = True
         if end:
             self._channel.post(None)
 

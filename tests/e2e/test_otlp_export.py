@@ -31,7 +31,7 @@ from bus.errors import BusUnavailable
 from bus.tansu import tansu_binary
 from sluice.settings import BusSettings, load_settings
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving, serving_args, wait_ready
-from tests.e2e.test_serve_engine_restart import engine_pid
+from tests.e2e.test_serve_engine_restart import engine_pids
 from tests.services import service_missing
 
 pytestmark = pytest.mark.slow
@@ -172,8 +172,8 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
 ) -> None:
     base, proc = served
     assert proc.proc is not None
-    first = engine_pid(proc.proc.pid)
-    assert first is not None, "no engine process under sluice serve"
+    first = engine_pids(proc.proc.pid)
+    assert first, "no engine process under sluice serve"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     with client:
         raw = client.completions.with_raw_response.create(
@@ -188,7 +188,8 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
         finish = None
         for i, chunk in enumerate(raw.parse()):
             if i == 4:  # mid-stream: 5 chunks of 600 tokens in
-                os.kill(first, signal.SIGKILL)
+                for pid in first:  # the request's engine among them
+                    os.kill(pid, signal.SIGKILL)
             for choice in chunk.choices:
                 finish = choice.finish_reason or finish
     assert finish == "length"

@@ -109,7 +109,7 @@ def test_the_url_line_means_a_request_is_answered_now(data_dir: Path, tmp_path: 
     assert code == 0, serve.output()
     progress = serve.stderr_log.read_text()
     assert "sluice serve: loading 'tiny-llama'" in progress
-    assert re.search(r"sluice serve: engine process pid=\d+ started", progress)
+    assert re.search(r"sluice serve: engine process pid=\d+(,\d+)* started", progress)
     assert re.search(r"sluice serve: engine ready after [\d.]+s", progress)
     assert NOTICE in serve.stdout  # the demo model says its replies are gibberish
 

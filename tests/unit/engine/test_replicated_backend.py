@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from engine.backends.base import (
     EngineDeadError,
     EngineDelta,
     EngineRequest,
+    EngineStats,
     RequestRejectedError,
 )
 from engine.backends.process_backend import EngineSpec
@@ -64,6 +67,116 @@ def test_one_dead_replica_ends_its_requests_and_the_stream_the_other_goes_on() -
                 pass
         with pytest.raises(EngineDeadError):
             engine.submit(EngineRequest("d", FAKE_PROMPT, greedy(5)))
+
+    asyncio.run(main())
+
+
+class Scripted:
+    """A replica the test drives: it posts what the test says, dies and restarts."""
+
+    def __init__(self) -> None:
+        self.config = EngineConfig()
+        self.vocab_size: int | None = 97
+        self.channel: Any = None
+        self.up = False
+        self.submitted: list[str] = []
+        self.on_restart: Callable[[], None] = lambda: None
+
+    def attach(self, channel: Any) -> None:
+        self.channel = channel
+
+    def start(self, loop: Any = None) -> None:
+        self.up = True
+
+    def restart(self, loop: Any = None) -> None:
+        self.on_restart()
+        self.up = True
+
+    def die(self, *request_ids: str) -> None:
+        self.up = False
+        ends = [EngineDelta(r, finish_reason="error", retryable=True) for r in request_ids]
+        self.channel.post(ends)
+        self.channel.post(None)
+
+    def submit(self, request: EngineRequest) -> None:
+        self.submitted.append(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.up:
+            self.up = False
+            self.channel.post(None)
+
+    def health(self) -> bool:
+        return self.up
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_kv_blocks=10)
+
+
+async def read_stream(engine: ReplicatedBackend) -> list[str]:
+    """The request ids of one `deltas()` stream, until it ends."""
+    async with asyncio.timeout(5):
+        return [d.request_id async for batch in engine.deltas() for d in batch]
+
+
+def test_a_replica_that_dies_during_a_restart_ends_the_stream_again() -> None:
+    async def main() -> None:
+        a, b = Scripted(), Scripted()
+        engine = ReplicatedBackend([a, b])
+        engine.start()
+        for rid in ("r0", "r1", "r2", "r3"):
+            engine.submit(EngineRequest(rid, FAKE_PROMPT, greedy(5)))
+        assert (a.submitted, b.submitted) == (["r0", "r2"], ["r1", "r3"])
+        a.die("r0", "r2")
+        assert await read_stream(engine) == ["r0", "r2"]
+        b.on_restart = lambda: None
+        a.on_restart = lambda: b.die("r1", "r3")  # b dies while a starts again
+        engine.restart()
+        assert not engine.health()
+        assert await read_stream(engine) == ["r1", "r3"]  # then the stream ends again
+        engine.restart()  # b alone
+        assert engine.health()
+        engine.submit(EngineRequest("r4", FAKE_PROMPT, greedy(5)))
+        assert "r4" in a.submitted + b.submitted
+        engine.shutdown()
+        assert await read_stream(engine) == []
+
+    asyncio.run(main())
+
+
+def test_replicas_that_die_together_each_end_the_stream_after_their_requests() -> None:
+    async def main() -> None:
+        a, b = Scripted(), Scripted()
+        engine = ReplicatedBackend([a, b])
+        engine.start()
+        for rid in ("r0", "r1"):
+            engine.submit(EngineRequest(rid, FAKE_PROMPT, greedy(5)))
+        a.die("r0")
+        b.die("r1")  # its requests' ends come after the end a's death made
+        assert await read_stream(engine) == ["r0"]
+        engine.restart()  # both
+        assert await read_stream(engine) == ["r1"]  # ended again after them
+        engine.restart()  # nothing left to start
+        assert engine.health()
+        engine.shutdown()
+        assert await read_stream(engine) == []
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_the_stream_when_every_replica_was_down() -> None:
+    async def main() -> None:
+        a, b = Scripted(), Scripted()
+        engine = ReplicatedBackend([a, b])
+        engine.start()
+        a.die()
+        b.die()
+        assert await read_stream(engine) == []  # the first death's end
+        engine.shutdown()
+        assert await read_stream(engine) == []  # and shutdown's
 
     asyncio.run(main())
 

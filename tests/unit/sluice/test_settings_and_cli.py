@@ -169,7 +169,8 @@ def test_engine_replicas_are_two_on_a_cpu_host_unless_its_engine_is_sized(
     assert replicas("cuda") == 1
     assert replicas(engine_process=False) == 1  # one engine thread in the serving process
     assert replicas(backend="sim") == 1
-    for var, value in [("SLUICE_TORCH_THREADS", "1"), ("SLUICE_ENGINE_CPUS", "auto")]:
+    chosen = [("SLUICE_TORCH_THREADS", "1"), ("SLUICE_PREFILL_THREADS", "2")]
+    for var, value in [*chosen, ("SLUICE_ENGINE_CPUS", "auto")]:
         monkeypatch.setenv(var, value)
         assert replicas() == 1
         monkeypatch.delenv(var)
@@ -217,8 +218,8 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     cpu = {"device": "cpu"}
-    # two engine processes (`resolve_engine_replicas`), half the cores each
-    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(torch_threads=2)
+    # two engine processes (`resolve_engine_replicas`) sharing all cores but one
+    assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(torch_threads=1)
     monkeypatch.setenv("SLUICE_ENGINE_REPLICAS", "1")
     assert engine_options(load_settings(ModelSettings, **cpu)) == EngineOptions(
         torch_threads=3, prefill_threads=4
