@@ -260,57 +260,40 @@ static inline void rows(const uint16_t *W, const float *x, const float *bias, fl
 }
 
 /* VDPBF16PS path: rows [n0, n1) of W against M rows of bf16 x (each Kp = K rounded up to
-   32 values, zero padded); four rows of W at a time, a last partial 32-block masked. */
+   32 values, zero padded), a last partial 32-block masked. */
 #define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-/* a[m] += rows w0..w3 . x[m] over the 32 values at k (those in mask `mk`) */
-DP_TARGET static inline void dp4(const uint16_t *w0, const uint16_t *w1, const uint16_t *w2,
-                                 const uint16_t *w3, const uint16_t *xb, int64_t Kp, int64_t k,
-                                 __mmask32 mk, const int M, __m512 *a0, __m512 *a1, __m512 *a2,
-                                 __m512 *a3) {
-    __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w0 + k);
-    __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w1 + k);
-    __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w2 + k);
-    __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(mk, w3 + k);
-    for (int m = 0; m < M; m++) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
-        a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
-        a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
-        a2[m] = _mm512_dpbf16_ps(a2[m], v2, xv);
-        a3[m] = _mm512_dpbf16_ps(a3[m], v3, xv);
-    }
-}
 
-DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb, const float *bias,
-                                     float *y, int64_t n0, int64_t n1, int64_t N, int64_t K,
-                                     const int M, int acc) {
-    const int64_t Kp = (K + 31) & ~(int64_t)31, K32 = K & ~(int64_t)31;
-    const __mmask32 tail = (__mmask32)((1ull << (K % 32)) - 1);
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        const uint16_t *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        __m512 a0[4], a1[4], a2[4], a3[4];
-        for (int m = 0; m < M; m++) a0[m] = a1[m] = a2[m] = a3[m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K32; k += 32) dp4(w0, w1, w2, w3, xb, Kp, k, ~0u, M, a0, a1, a2, a3);
-        if (K32 < K) dp4(w0, w1, w2, w3, xb, Kp, K32, tail, M, a0, a1, a2, a3);
-        for (int m = 0; m < M; m++) {
-            float *ym = y + m * N + n;
-            STORE(ym[0], _mm512_reduce_add_ps(a0[m]) + (bias ? bias[n] : 0.0f));
-            STORE(ym[1], _mm512_reduce_add_ps(a1[m]) + (bias ? bias[n + 1] : 0.0f));
-            STORE(ym[2], _mm512_reduce_add_ps(a2[m]) + (bias ? bias[n + 2] : 0.0f));
-            STORE(ym[3], _mm512_reduce_add_ps(a3[m]) + (bias ? bias[n + 3] : 0.0f));
-        }
-    }
-    for (; n < n1; n++) {
-        const uint16_t *w0 = W + n * K;
-        for (int m = 0; m < M; m++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t k = 0; k < Kp; k += 32) {
-                __mmask32 mk = k + 32 <= K ? (__mmask32)~0u : tail;
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, w0 + k),
-                                     (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
+/* One row of W at a time, its values in order: a single forward stream, which the
+   hardware prefetcher follows (four rows read side by side, 1 KB apart, ran at 8-11 GB/s
+   from DRAM on one Zen 4 core against 20: benchmarks/RESULTS.md); two accumulators per x
+   row halve the VDPBF16PS latency chain */
+DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb,
+                                         const float *bias, float *y, int64_t n0, int64_t n1,
+                                         int64_t N, int64_t K, const int M, int acc) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, K64 = K & ~(int64_t)63;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *w = W + n * K;
+        __m512 a[4], b[4];
+        for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k < K64; k += 64) {
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(w + k);
+            __m512bh v1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+            for (int m = 0; m < M; m++) {
+                a[m] = _mm512_dpbf16_ps(a[m], v0, (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
+                b[m] = _mm512_dpbf16_ps(b[m], v1,
+                                        (__m512bh)_mm512_loadu_si512(xb + m * Kp + k + 32));
             }
-            STORE(y[m * N + n], _mm512_reduce_add_ps(a) + (bias ? bias[n] : 0.0f));
         }
+        for (; k < K; k += 32) {
+            __mmask32 mk = k + 32 <= K ? (__mmask32)~0u : (__mmask32)((1ull << (K % 32)) - 1);
+            __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + k);
+            for (int m = 0; m < M; m++)
+                a[m] = _mm512_dpbf16_ps(a[m], v, (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
+        }
+        for (int m = 0; m < M; m++)
+            STORE(y[m * N + n], _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m])) +
+                                    (bias ? bias[n] : 0.0f));
     }
 }
 
@@ -473,11 +456,13 @@ static void int8_chunk(void *ctx, int64_t c) {
     const int64_t n0 = c * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
 #define I8_ROWS(M, R) rows_i8(j->W, j->xq, j->Kp, j->xs, j->scale, j->bias, j->y, n0, n1, \
                               j->N, j->K, M, R, j->acc)
-    switch (j->M) { /* R: as many W rows as keep the int32 sums in 16 registers */
-        case 1: I8_ROWS(1, 4); break;
-        case 2: I8_ROWS(2, 4); break;
-        case 3: I8_ROWS(3, 2); break;
-        default: I8_ROWS(4, 2); break;
+    /* R = 1: one W row at a time, a single forward stream the hardware prefetcher follows
+       (2 or 4 rows side by side ran 1.2-1.6x slower from DRAM on Zen 4) */
+    switch (j->M) {
+        case 1: I8_ROWS(1, 1); break;
+        case 2: I8_ROWS(2, 1); break;
+        case 3: I8_ROWS(3, 1); break;
+        default: I8_ROWS(4, 1); break;
     }
 #undef I8_ROWS
 }
