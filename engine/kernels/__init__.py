@@ -73,6 +73,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_decode_layers": ([_P, _P, _P, _I, _P, _P, _P, _I, _P], ctypes.c_int),
     "sluice_rms_norm_bf16": ([_P, _P, ctypes.c_float, _P, _I, _I, ctypes.c_int], None),
     "sluice_silu_mul_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "sluice_add_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
     "sluice_rope_bf16": ([_P, _I, _I, _P, _P, _I, _I, ctypes.c_int], None),
     "sluice_attn_paged": (
         [_P, _I, ctypes.c_int, _P, _P, _P, *[_I] * 8, ctypes.c_float, ctypes.c_int],
@@ -173,6 +174,7 @@ class CpuOps:
         self._rms_norm_bf16 = lib.sluice_rms_norm_bf16
         self._decode_layers = lib.sluice_decode_layers
         self._silu_mul_bf16 = lib.sluice_silu_mul_bf16
+        self._add_bf16 = lib.sluice_add_bf16
         self._rope_bf16 = lib.sluice_rope_bf16
 
     def linear(
@@ -388,6 +390,12 @@ class CpuOps:
             gu.data_ptr(), out.data_ptr(), m, two_i // 2, _small_op_threads(m * two_i)
         )
         return out
+
+    def add_bf16_(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """fp32 h [M, H] += bf16 y [M, H] (both contiguous), in place: `h.add_(y)`."""
+        m, n = h.shape
+        self._add_bf16(h.data_ptr(), y.data_ptr(), m, n, _small_op_threads(m * n))
+        return h
 
     def rope_bf16_(
         self, x: torch.Tensor, heads: int, table: torch.Tensor, pos: torch.Tensor

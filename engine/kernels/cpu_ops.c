@@ -949,6 +949,17 @@ DP_TARGET void sluice_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M
     }
 }
 
+/* h += y for fp32 h and bf16 y [M, H] (H % 16 == 0), y widened exactly: what torch's
+   h.add_(y) computes, in one pass (torch converts y to a new fp32 tensor first) */
+DP_TARGET void sluice_add_bf16(float *h, const uint16_t *y, int64_t M, int64_t H, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < H; i += 16) {
+            float *p = h + m * H + i;
+            _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), widen16(y + m * H + i)));
+        }
+}
+
 /* RoPE in place on the first `heads` heads of each bf16 row of x (row stride `stride`,
    pairs (re, im)): v * table[pos[m]] (fp32 pairs, `half` per head), products rounded
    before the sum as torch's complex multiply does (half % 8 == 0) */

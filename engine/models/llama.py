@@ -195,8 +195,9 @@ class DecoderLayer(nn.Module):
     def forward_bf16(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        """`forward` of a bf16 model with the bf16 kernels: the norms, RoPE and SiLU*up are
-        one kernel call each (torch takes 4-6 ops for each), with torch's roundings.
+        """`forward` of a bf16 model with the bf16 kernels: the norms, RoPE, SiLU*up and the
+        residual adds are one kernel call each (torch takes 2-6 ops for each), with torch's
+        roundings.
         `rope` is the whole rotation table as fp32 pairs [positions, head_dim/2, 2]."""
         ops = meta.bf16_ops
         assert ops is not None and meta.positions is not None
@@ -205,10 +206,10 @@ class DecoderLayer(nn.Module):
         ops.rope_bf16_(qkv, self.num_heads + self.num_kv_heads, rope, meta.positions)
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
-        h = h.add_(self.o_proj.forward(attn.reshape(t, q_size)))
+        h = ops.add_bf16_(h, self.o_proj.forward(attn.reshape(t, q_size)))
         x = ops.rms_norm_bf16(h, self.post_attention_layernorm, self.eps)
         act = ops.silu_mul_bf16(self.gate_up_proj.forward(x))
-        return h.add_(self.down_proj.forward(act))
+        return ops.add_bf16_(h, self.down_proj.forward(act))
 
     def forward_decode(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor

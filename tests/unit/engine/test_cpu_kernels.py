@@ -412,9 +412,10 @@ def test_bf16_model_attends_mixed_steps_on_the_paged_kernel_with_the_same_tokens
 @needs_bf16_dot
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_bf16_small_ops_match_torchs_bf16_ops(rows: int) -> None:
-    """RMSNorm (fp32 h to bf16), RoPE on bf16 q|k and SiLU*up in bf16 against the torch ops
-    of `DecoderLayer.forward`: RoPE exactly (the same roundings), the others within one
-    bf16 rounding (the sum of squares and exp round differently), nearly all exactly."""
+    """RMSNorm (fp32 h to bf16), RoPE on bf16 q|k, SiLU*up in bf16 and the residual add
+    against the torch ops of `DecoderLayer.forward`: RoPE and the add exactly (the same
+    roundings), the others within one bf16 rounding (the sum of squares and exp round
+    differently), nearly all exactly."""
     from engine.models.llama import rms_norm
 
     ops = kernels.cpu_ops()
@@ -444,3 +445,8 @@ def test_bf16_small_ops_match_torchs_bf16_ops(rows: int) -> None:
     qk.copy_(torch.view_as_real(rot).view(rows, heads * d))
     ops.rope_bf16_(qkv, heads, torch.view_as_real(table), pos)
     assert torch.equal(qkv, ref)
+
+    # the residual add: exactly torch's fp32 h.add_(bf16 y)
+    y = (torch.randn(rows, 256, generator=g) * 5).to(torch.bfloat16)
+    ref = h.clone().add_(y)
+    assert ops.add_bf16_(h, y) is h and torch.equal(h, ref)
