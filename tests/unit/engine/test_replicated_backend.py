@@ -5,9 +5,10 @@ ends only its requests (retryable) while the other's come through the restart.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,19 @@ class Scripted:
         return EngineStats(num_kv_blocks=10)
 
 
+def started_pair() -> tuple[ReplicatedBackend, Scripted, Scripted]:
+    a, b = Scripted(), Scripted()
+    engine = ReplicatedBackend([a, b])
+    engine.start()
+    return engine, a, b
+
+
+async def shut_down(engine: ReplicatedBackend) -> None:
+    """Shut `engine` down; its stream then ends with nothing more."""
+    engine.shutdown()
+    assert await read_stream(engine) == []
+
+
 async def read_stream(engine: ReplicatedBackend) -> list[str]:
     """The request ids of one `deltas()` stream, until it ends."""
     async with asyncio.timeout(5):
@@ -124,9 +138,7 @@ async def read_stream(engine: ReplicatedBackend) -> list[str]:
 
 def test_a_replica_that_dies_during_a_restart_ends_the_stream_again() -> None:
     async def main() -> None:
-        a, b = Scripted(), Scripted()
-        engine = ReplicatedBackend([a, b])
-        engine.start()
+        engine, a, b = started_pair()
         for rid in ("r0", "r1", "r2", "r3"):
             engine.submit(EngineRequest(rid, FAKE_PROMPT, greedy(5)))
         assert (a.submitted, b.submitted) == (["r0", "r2"], ["r1", "r3"])
@@ -141,17 +153,14 @@ def test_a_replica_that_dies_during_a_restart_ends_the_stream_again() -> None:
         assert engine.health()
         engine.submit(EngineRequest("r4", FAKE_PROMPT, greedy(5)))
         assert "r4" in a.submitted + b.submitted
-        engine.shutdown()
-        assert await read_stream(engine) == []
+        await shut_down(engine)
 
     asyncio.run(main())
 
 
 def test_replicas_that_die_together_each_end_the_stream_after_their_requests() -> None:
     async def main() -> None:
-        a, b = Scripted(), Scripted()
-        engine = ReplicatedBackend([a, b])
-        engine.start()
+        engine, a, b = started_pair()
         for rid in ("r0", "r1"):
             engine.submit(EngineRequest(rid, FAKE_PROMPT, greedy(5)))
         a.die("r0")
@@ -161,17 +170,14 @@ def test_replicas_that_die_together_each_end_the_stream_after_their_requests() -
         assert await read_stream(engine) == ["r1"]  # ended again after them
         engine.restart()  # nothing left to start
         assert engine.health()
-        engine.shutdown()
-        assert await read_stream(engine) == []
+        await shut_down(engine)
 
     asyncio.run(main())
 
 
 def test_shutdown_ends_the_stream_when_every_replica_was_down() -> None:
     async def main() -> None:
-        a, b = Scripted(), Scripted()
-        engine = ReplicatedBackend([a, b])
-        engine.start()
+        engine, a, b = started_pair()
         a.die()
         b.die()
         assert await read_stream(engine) == []  # the first death's end
@@ -181,12 +187,21 @@ def test_shutdown_ends_the_stream_when_every_replica_was_down() -> None:
     asyncio.run(main())
 
 
+@contextlib.contextmanager
+def two_processes(tmp_path: Path) -> Iterator[ReplicatedBackend]:
+    """Two tiny-llama engine processes behind one backend, started; shut down after."""
+    engine = ReplicatedBackend.of(EngineSpec("tiny-llama", CONFIG, tmp_path), 2)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 @slow
 def test_replicas_share_the_requests_and_stream_what_one_engine_does(tmp_path: Path) -> None:
     async def main() -> None:
-        engine = ReplicatedBackend.of(EngineSpec("tiny-llama", CONFIG, tmp_path), 2)
-        engine.start()
-        try:
+        with two_processes(tmp_path) as engine:
             assert engine.health() and engine.vocab_size == 512
             assert len(set(engine.pids)) == 2 and None not in engine.pids
             with pytest.raises(RequestRejectedError):  # checked before it goes anywhere
@@ -209,8 +224,6 @@ def test_replicas_share_the_requests_and_stream_what_one_engine_does(tmp_path: P
             total = engine.stats()
             assert total.num_generated_tokens == sum(p.num_generated_tokens for p in parts)
             assert total.num_kv_blocks == sum(p.num_kv_blocks for p in parts)
-        finally:
-            engine.shutdown()
         assert not engine.health()
 
     asyncio.run(main())
@@ -219,9 +232,7 @@ def test_replicas_share_the_requests_and_stream_what_one_engine_does(tmp_path: P
 @slow
 def test_a_killed_replica_ends_its_own_requests_and_restarts_alone(tmp_path: Path) -> None:
     async def main() -> None:
-        engine = ReplicatedBackend.of(EngineSpec("tiny-llama", CONFIG, tmp_path), 2)
-        engine.start()
-        try:
+        with two_processes(tmp_path) as engine:
             survivor_pid = engine.pids[1]
             engine.submit(EngineRequest("a", PROMPT, greedy(200)))  # replica 0
             engine.submit(EngineRequest("b", PROMPT, greedy(200)))  # replica 1
@@ -248,7 +259,5 @@ def test_a_killed_replica_ends_its_own_requests_and_restarts_alone(tmp_path: Pat
             b = [d for d in got if d.request_id == "b"] + more.get("b", [])
             assert len(tokens(b)) == 200 and b[-1].finish_reason == "length"
             assert len(tokens(more["c"])) == 16
-        finally:
-            engine.shutdown()
 
     asyncio.run(main())
