@@ -74,6 +74,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_rms_norm_bf16": ([_P, _P, ctypes.c_float, _P, _I, _I, ctypes.c_int], None),
     "sluice_silu_mul_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
     "sluice_add_bf16": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "sluice_argmax_bf16": ([_P, _I, _I, _P, ctypes.c_int], None),
     "sluice_rope_bf16": ([_P, _I, _I, _P, _P, _I, _I, ctypes.c_int], None),
     "sluice_attn_paged": (
         [_P, _I, ctypes.c_int, _P, _P, _P, *[_I] * 8, ctypes.c_float, ctypes.c_int],
@@ -176,6 +177,7 @@ class CpuOps:
         self._silu_mul_bf16 = lib.sluice_silu_mul_bf16
         self._add_bf16 = lib.sluice_add_bf16
         self._rope_bf16 = lib.sluice_rope_bf16
+        self._argmax_bf16 = lib.sluice_argmax_bf16
 
     def linear(
         self, x: torch.Tensor, proj: ProjWeights, out: torch.Tensor | None = None
@@ -396,6 +398,15 @@ class CpuOps:
         m, n = h.shape
         self._add_bf16(h.data_ptr(), y.data_ptr(), m, n, _small_op_threads(m * n))
         return h
+
+    def argmax_bf16(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [M]: each bf16 row's first maximum (or first NaN), as numpy's argmax of
+        the row in fp32 (`engine.sampler.greedy_tokens`), without the fp32 copy."""
+        logits = logits.contiguous()
+        m, n = logits.shape
+        out = torch.empty(m, dtype=torch.int64)
+        self._argmax_bf16(logits.data_ptr(), m, n, out.data_ptr(), _small_op_threads(m * n))
+        return out
 
     def rope_bf16_(
         self, x: torch.Tensor, heads: int, table: torch.Tensor, pos: torch.Tensor

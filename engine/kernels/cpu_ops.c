@@ -29,6 +29,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -764,6 +765,81 @@ typedef struct {
     float scale;
 } paged_job;
 
+/* sum16(v)[k] = _mm512_reduce_add_ps(v[sum16_key^-1(k)]): 16 horizontal sums in 15 vector
+   adds, each pairing lanes as the reduction does (i with i+8, i+4, i+2, then i+1), so the
+   sums are bit-equal to it. v[i] holds key sum16_key(i), which puts key k in lane k. */
+static inline int sum16_key(int i) { return ((i & 3) << 2) | (i >> 2); }
+
+DP_TARGET static inline __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes i + i+8 of v[2i] (low half), of v[2i+1] (high) */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* + lanes 4 on: a quarter a vector */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* + lanes 2 on */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+
+DP_TARGET static inline void store_bf16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* P.V of `paged_task` for bf16 weights wb [G, n16] (keys start.., zero past the last):
+   VDPBF16PS on two keys at a time, their V rows interleaved pair-wise (vpunpck*wd), so
+   the accumulators hold D in the unpack's lane order until they are stored. */
+DP_TARGET static inline __attribute__((always_inline)) void paged_pv_bf16(
+    const paged_job *a, int64_t p, int64_t kvh, int64_t start, int64_t end, const int G,
+    const int64_t D, const uint16_t *wb, int64_t n16, const float *inv) {
+    const int64_t Hkv = a->Hkv, bs = a->bs, row = 2 * Hkv * D;
+    const int64_t *table = a->table + p * a->nblk;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int Z = D - d0 >= 64 ? 2 : 1; /* 32-value vectors of V in this pass */
+        __m512 acc[PAGED_MAX_G * 4];
+        for (int i = 0; i < G * 4; i++) acc[i] = _mm512_setzero_ps();
+        int64_t b = start / bs, o = start % bs;
+        for (int64_t j = start; j < end; j += 2) {
+            const uint16_t *v0 = a->cache + (table[b] * bs + o) * row + (Hkv + kvh) * D + d0;
+            if (++o == bs) o = 0, b++;
+            const uint16_t *v1 = v0; /* a lone last key pairs with itself, at weight 0 */
+            if (j + 1 < end) {
+                v1 = a->cache + (table[b] * bs + o) * row + (Hkv + kvh) * D + d0;
+                if (++o == bs) o = 0, b++;
+            }
+            __m512bh lo[2], hi[2];
+            for (int z = 0; z < Z; z++) {
+                const __m512i x0 = _mm512_loadu_si512(v0 + z * 32), x1 = _mm512_loadu_si512(v1 + z * 32);
+                lo[z] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                hi[z] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int g = 0; g < G; g++) {
+                uint32_t pair;
+                memcpy(&pair, wb + g * n16 + (j - start), sizeof pair);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int z = 0; z < Z; z++) {
+                    acc[g * 4 + 2 * z] = _mm512_dpbf16_ps(acc[g * 4 + 2 * z], lo[z], w);
+                    acc[g * 4 + 2 * z + 1] = _mm512_dpbf16_ps(acc[g * 4 + 2 * z + 1], hi[z], w);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            uint16_t *out = (uint16_t *)a->out + (p * a->Hq + kvh * G + g) * D + d0;
+            const __m512 sc = _mm512_set1_ps(inv[g]);
+            for (int z = 0; z < Z; z++) {
+                /* lo holds values 0-3, 8-11, 16-19, 24-27 of these 32; hi the others */
+                const __m512 l = acc[g * 4 + 2 * z], h = acc[g * 4 + 2 * z + 1];
+                const __m512 first = _mm512_shuffle_f32x4(_mm512_shuffle_f32x4(l, h, 0x44), _mm512_shuffle_f32x4(l, h, 0x44), 0xD8);
+                const __m512 second = _mm512_shuffle_f32x4(_mm512_shuffle_f32x4(l, h, 0xEE), _mm512_shuffle_f32x4(l, h, 0xEE), 0xD8);
+                store_bf16(out + z * 32, _mm512_mul_ps(first, sc));
+                store_bf16(out + z * 32 + 16, _mm512_mul_ps(second, sc));
+            }
+        }
+    }
+}
+
 /* One (request, KV head). G and D are constants where the caller dispatches on them, so
    the accumulators of the P.V loop stay in registers. */
 DP_TARGET static inline __attribute__((always_inline)) int paged_task(const paged_job *a,
@@ -787,37 +863,55 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
                 qv[g * C + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
             }
         }
-    float *s = aligned_alloc(64, (size_t)(G * n16) * sizeof(float));
+    /* scores, then P.V weights: fp32 [G, n16], and the bf16 weights [G, n16] after */
+    float *s = aligned_alloc(64, (size_t)(G * n16) * (sizeof(float) + sizeof(uint16_t)));
     if (!s) return 1;
-    float mx[PAGED_MAX_G];
-    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-    for (int64_t j = start; j < end;) { /* a block at a time: one division per block */
-        const int64_t b = j / bs, stop = (b + 1) * bs < end ? (b + 1) * bs : end;
-        const uint16_t *k = a->cache + (table[b] * bs + (j - b * bs)) * row + kvh * D;
-        if (stop < end) { /* the next block's first keys: scattered blocks defeat the prefetcher */
-            const uint16_t *next = a->cache + table[b + 1] * bs * row + kvh * D;
-            for (int64_t i = 0; i < PF && stop + i < end; i++)
-                for (int64_t c = 0; c < D; c += 32)
-                    _mm_prefetch((const char *)(next + i * row + c), _MM_HINT_T0);
-        }
-        for (; j < stop; j++, k += row) {
-            /* K a few keys ahead; this key's V for the P.V pass */
+    /* Q.K, 16 keys at a time: a (query head, key) dot is a 16-lane accumulator, and
+       `sum16` folds 16 of them into one vector of 16 scores (each summed in
+       _mm512_reduce_add_ps's order: the same scores as one reduction a key). */
+    __m512 vmx[PAGED_MAX_G];
+    for (int g = 0; g < G; g++) vmx[g] = _mm512_set1_ps(-INFINITY);
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    /* the key rows of this chunk of 16 and of the next, which is prefetched (K to L1, V to
+       L2: scattered blocks defeat the hardware prefetcher) */
+    const uint16_t *key_rows[2][16];
+    int64_t map_b = start / bs, map_o = start % bs; /* block and offset of the next key to map */
+    int cur = 0;
+    for (int i = 0; i < 16 && start + i < end; i++) {
+        key_rows[0][i] = a->cache + (table[map_b] * bs + map_o) * row + kvh * D;
+        if (++map_o == bs) map_o = 0, map_b++;
+    }
+    for (int64_t j0 = start; j0 < end; j0 += 16, cur ^= 1) {
+        const int nk = end - j0 < 16 ? (int)(end - j0) : 16;
+        const uint16_t **kp = key_rows[cur], **next = key_rows[cur ^ 1];
+        for (int i = 0; i < 16 && j0 + 16 + i < end; i++) {
+            const uint16_t *k = next[i] = a->cache + (table[map_b] * bs + map_o) * row + kvh * D;
+            if (++map_o == bs) map_o = 0, map_b++;
             for (int64_t c = 0; c < D; c += 32) {
-                _mm_prefetch((const char *)(k + PF * row + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(k + c), _MM_HINT_T0);
                 _mm_prefetch((const char *)(k + Hkv * D + c), _MM_HINT_T1);
             }
-            __m512bh kc[PAGED_MAX_D / 32];
-            for (int c = 0; c < C; c++) kc[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
-            for (int g = 0; g < G; g++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int c = 0; c < C; c++) acc = _mm512_dpbf16_ps(acc, qv[g * C + c], kc[c]);
-                const float v = _mm512_reduce_add_ps(acc) * a->scale;
-                s[g * n16 + (j - start)] = v;
-                mx[g] = v > mx[g] ? v : mx[g];
+        }
+        const __mmask16 live = nk == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);
+        for (int g = 0; g < G; g++) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) {
+                const int key = sum16_key(i);
+                __m512 x = _mm512_setzero_ps();
+                if (key < nk)
+                    for (int c = 0; c < C; c++)
+                        x = _mm512_dpbf16_ps(x, qv[g * C + c], (__m512bh)_mm512_loadu_si512(kp[key] + c * 32));
+                acc[i] = x;
             }
+            const __m512 v = _mm512_mul_ps(sum16(acc), scale);
+            _mm512_mask_storeu_ps(s + g * n16 + (j0 - start), live, v);
+            vmx[g] = _mm512_mask_max_ps(vmx[g], live, vmx[g], v);
         }
     }
+    float mx[PAGED_MAX_G];
+    for (int g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmx[g]);
     float inv[PAGED_MAX_G];
+    uint16_t *wb = (uint16_t *)(s + G * n16);
     for (int g = 0; g < G; g++) {
         float *sg = s + g * n16;
         const __m512 m = _mm512_set1_ps(mx[g]);
@@ -826,10 +920,17 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
             const __mmask16 live = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
             __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_load_ps(sg + i), m)));
             sum = _mm512_add_ps(sum, e);
-            if (a->q_bf16) e = widen_pbh(_mm512_cvtneps_pbh(e)); /* P.V weights in bf16, as torch's */
-            _mm512_store_ps(sg + i, e);
+            if (a->q_bf16) /* P.V weights in bf16, as torch's */
+                store_bf16(wb + g * n16 + i, e);
+            else
+                _mm512_store_ps(sg + i, e);
         }
         inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    if (a->q_bf16) {
+        paged_pv_bf16(a, p, kvh, start, end, G, D, wb, n16, inv);
+        free(s);
+        return 0;
     }
     /* P.V, 64 values of D at a time: G * 4 accumulators */
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -910,10 +1011,6 @@ int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const ui
    pool) with one pass, with torch's own roundings: RMSNorm of the fp32 residual to a bf16
    x, RoPE on bf16 q|k, SiLU(gate) * up. Rows are shared out on OpenMP threads. */
 
-DP_TARGET static inline void store_bf16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 /* out[m] = bf16((h[m] * w) * r), r = 1 / sqrt(eps + (1/H) * |h[m]|^2) (H % 16 == 0) */
 DP_TARGET void sluice_rms_norm_bf16(const float *h, const float *w, float eps, uint16_t *out,
                                     int64_t M, int64_t H, int threads) {
@@ -958,6 +1055,55 @@ DP_TARGET void sluice_add_bf16(float *h, const uint16_t *y, int64_t M, int64_t H
             float *p = h + m * H + i;
             _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), widen16(y + m * H + i)));
         }
+}
+
+/* out[m] = the index of the first maximum of bf16 row x[m] (N values), or of its first NaN:
+   numpy's argmax of the row widened to fp32, without the fp32 copy. Per lane the first
+   index of the lane's maximum, then the lowest index among the lanes that hold the row's. */
+DP_TARGET void sluice_argmax_bf16(const uint16_t *x, int64_t M, int64_t N, int64_t *out,
+                                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * N;
+        /* four independent (max, index) chains: one is a compare's latency a vector */
+        const int64_t n16 = N & ~(int64_t)15;
+        __m512 best[4];
+        __m512i at[4];
+        for (int c = 0; c < 4; c++) best[c] = _mm512_set1_ps(-INFINITY), at[c] = _mm512_set1_epi32(-1);
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < n16; i += 16) {
+            const int c = (int)((i >> 4) & 3);
+            const __m512 v = widen16(r + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 up = _mm512_cmp_ps_mask(v, best[c], _CMP_GT_OQ);
+            best[c] = _mm512_mask_mov_ps(best[c], up, v);
+            at[c] = _mm512_mask_mov_epi32(at[c], up, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+        }
+        for (int c = 1; c < 4; c++) { /* the greater, or the earlier of equals */
+            const __mmask16 take = _mm512_cmp_ps_mask(best[c], best[0], _CMP_GT_OQ) |
+                                   (_mm512_cmp_ps_mask(best[c], best[0], _CMP_EQ_OQ) &
+                                    _mm512_cmp_epi32_mask(at[c], at[0], _MM_CMPINT_LT) &
+                                    _mm512_cmp_epi32_mask(at[c], _mm512_setzero_si512(), _MM_CMPINT_NLT));
+            best[0] = _mm512_mask_mov_ps(best[0], take, best[c]);
+            at[0] = _mm512_mask_mov_epi32(at[0], take, at[c]);
+        }
+        float top = _mm512_reduce_max_ps(best[0]);
+        int64_t arg = n16 ? 0 : -1; /* a row of -inf: its first value */
+        if (top > -INFINITY) {
+            const __mmask16 has = _mm512_cmp_ps_mask(best[0], _mm512_set1_ps(top), _CMP_EQ_OQ);
+            arg = _mm512_mask_reduce_min_epi32(has, at[0]);
+        }
+        for (int64_t i = n16; i < N; i++) { /* the tail, after every full vector */
+            const float v = widen1(r[i]);
+            if (v != v) nan = 1;
+            if (v > top || arg < 0) top = v, arg = i;
+        }
+        if (nan)
+            for (int64_t i = 0; i < N; i++)
+                if (widen1(r[i]) != widen1(r[i])) { arg = i; break; }
+        out[m] = arg < 0 ? 0 : arg;
+    }
 }
 
 /* RoPE in place on the first `heads` heads of each bf16 row of x (row stride `stride`,

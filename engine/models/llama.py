@@ -375,16 +375,20 @@ class LlamaForCausalLM(nn.Module):
             kv_caches=kv_caches,
         )
 
-    def compute_logits(self, hidden: torch.Tensor, cpu_ops: CpuOps | None = None) -> torch.Tensor:
-        """fp32 logits. With `cpu_ops` (a fused decode step) the norm is one kernel call and
-        the lm_head takes the fp32 activations (its bf16 kernel: no torch thread pool wakes
-        up in a decode step, whose helpers would contend with the kernels' own)."""
+    def compute_logits(
+        self, hidden: torch.Tensor, cpu_ops: CpuOps | None = None, fp32: bool = True
+    ) -> torch.Tensor:
+        """fp32 logits (in the compute dtype unless `fp32`). With `cpu_ops` (a fused decode
+        step) the norm is one kernel call and the lm_head takes the fp32 activations (its
+        bf16 kernel: no torch thread pool wakes up in a decode step, whose helpers would
+        contend with the kernels' own)."""
         if cpu_ops is not None:
             return self.lm_head.forward(
                 cpu_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
             ).float()
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps, self.compute_dtype)
-        return self.lm_head.forward(x).float()
+        logits = self.lm_head.forward(x)
+        return logits.float() if fp32 else logits
 
     def set_dtype(self, dtype: torch.dtype) -> LlamaForCausalLM:
         """Weights in `dtype`; norm weights (and the residual stream) stay fp32."""

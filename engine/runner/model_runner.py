@@ -208,11 +208,19 @@ class ModelRunner:
                 return RunnerOutput()
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)
-            logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops)
             params = [s.request.sampling_params for s in inputs.sampling]
-            if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+            # a bf16 step's greedy rows: argmax over its bf16 logits, no fp32 copy of them
+            bf16_argmax = self.bf16_ops if greedy and inputs.meta.cpu_ops is None else None
+            logits = self.model.compute_logits(
+                hidden, inputs.meta.cpu_ops, fp32=bf16_argmax is None
+            )
+            if greedy:
                 # greedy without logprobs (the common case): argmax is all there is to do
-                tokens = greedy_tokens(logits.cpu()).tolist()
+                if bf16_argmax is not None:
+                    tokens = bf16_argmax.argmax_bf16(logits).tolist()
+                else:
+                    tokens = greedy_tokens(logits.cpu()).tolist()
                 return RunnerOutput(
                     sampled=[
                         SampledToken(s.request_id, t)

@@ -135,9 +135,11 @@ def test_decode_layers_in_one_call_equal_the_layer_by_layer_path(
     hidden: list[list[torch.Tensor]] = []
     logits = LlamaForCausalLM.compute_logits
 
-    def recording(self: LlamaForCausalLM, h: torch.Tensor, *args: object) -> torch.Tensor:
+    def recording(
+        self: LlamaForCausalLM, h: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
         hidden[-1].append(h.clone())
-        return logits(self, h, *args)  # type: ignore[arg-type]
+        return logits(self, h, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LlamaForCausalLM, "compute_logits", recording)
     tokens = []
@@ -450,3 +452,23 @@ def test_bf16_small_ops_match_torchs_bf16_ops(rows: int) -> None:
     y = (torch.randn(rows, 256, generator=g) * 5).to(torch.bfloat16)
     ref = h.clone().add_(y)
     assert ops.add_bf16_(h, y) is h and torch.equal(h, ref)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("width", [1, 15, 33, 100, 32000])
+def test_bf16_argmax_equals_numpys_over_the_fp32_row(width: int) -> None:
+    """The greedy pick of a bf16 step: the first maximum of each row, ties, a row of -inf,
+    a row of one value, NaNs (numpy returns the first), a maximum in the tail that no full
+    vector covers."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, width, generator=g).to(torch.bfloat16)
+    x[1] = float("-inf")
+    x[2] = 1.0
+    x[3] = torch.randint(0, 3, (width,), generator=g).to(torch.bfloat16)
+    x[4, width // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, -1] = 100.0
+    want = torch.from_numpy(x.float().numpy().argmax(axis=-1))
+    assert torch.equal(ops.argmax_bf16(x), want)
