@@ -77,7 +77,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_argmax_bf16": ([_P, _I, _I, _P, ctypes.c_int], None),
     "sluice_rope_bf16": ([_P, _I, _I, _P, _P, _I, _I, ctypes.c_int], None),
     "sluice_attn_paged": (
-        [_P, _I, ctypes.c_int, _P, _P, _P, *[_I] * 8, ctypes.c_float, ctypes.c_int],
+        [_P, _I, ctypes.c_int, _P, _P, _P, _I, _I, _P, _P, *[_I] * 6, ctypes.c_float, ctypes.c_int],
         ctypes.c_int,
     ),
 }
@@ -352,11 +352,14 @@ class CpuOps:
         table: torch.Tensor,
         num_keys: torch.Tensor,
         window: int | None,
+        requests: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [P, Hq, D] (bf16 or fp32, rows may be strided: a view of the qkv output) of
-        one decoding request each, whose K|V are already in the bf16 cache, attends to its
-        keys (block `table` [P, nblk] int64, `num_keys` [P] int64) -> [P, Hq, D] in q's
-        dtype. Needs `bf16_dot` (AVX512-BF16), D a multiple of 32, Hq / Hkv <= 16."""
+        """q [P, Hq, D] (bf16 or fp32, rows may be strided: a view of the qkv output), one
+        query token a row whose K|V are already in the bf16 cache, attends to its keys:
+        the first `num_keys` [P] int64 of block table row `requests[p]` (`table` [R, nblk]
+        int64; row p when `requests` is None) -> [P, Hq, D] in q's dtype. Rows are
+        decoding requests, or a prefill chunk's tokens (keys: position + 1). Needs
+        `bf16_dot` (AVX512-BF16), D a multiple of 32, Hq / Hkv <= 16."""
         p, hq, d = q.shape
         _, bs, _, hkv, _ = kv_cache.shape
         if not self.bf16_dot or kv_cache.dtype != torch.bfloat16 or q.stride()[1:] != (d, 1):
@@ -364,8 +367,8 @@ class CpuOps:
         out = torch.empty((p, hq, d), dtype=q.dtype)
         rc = self._paged(
             q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), out.data_ptr(),
-            kv_cache.data_ptr(), table.data_ptr(), table.shape[1], num_keys.data_ptr(),
-            window or 0, p, hq, hkv, d, bs, d**-0.5,
+            kv_cache.data_ptr(), table.data_ptr(), table.shape[0], table.shape[1],
+            _ptr(requests), num_keys.data_ptr(), window or 0, p, hq, hkv, d, bs, d**-0.5,
             _threads(p * hq * d * table.shape[1] * bs * 2),
         )  # fmt: skip
         if rc != 0:

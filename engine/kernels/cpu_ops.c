@@ -760,6 +760,7 @@ typedef struct {
     const uint16_t *cache;
     const int64_t *table;
     int64_t nblk;
+    const int64_t *req; /* row p's request (row of table); NULL: p */
     const int64_t *num_keys;
     int64_t window, Hq, Hkv, D, bs;
     float scale;
@@ -795,7 +796,7 @@ DP_TARGET static inline __attribute__((always_inline)) void paged_pv_bf16(
     const paged_job *a, int64_t p, int64_t kvh, int64_t start, int64_t end, const int G,
     const int64_t D, const uint16_t *wb, int64_t n16, const float *inv) {
     const int64_t Hkv = a->Hkv, bs = a->bs, row = 2 * Hkv * D;
-    const int64_t *table = a->table + p * a->nblk;
+    const int64_t *table = a->table + (a->req ? a->req[p] : p) * a->nblk;
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int Z = D - d0 >= 64 ? 2 : 1; /* 32-value vectors of V in this pass */
         __m512 acc[PAGED_MAX_G * 4];
@@ -850,7 +851,7 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
     const int64_t end = a->num_keys[p];
     const int64_t start = a->window > 0 && end > a->window ? end - a->window : 0;
     const int64_t n = end - start, n16 = (n + 15) & ~(int64_t)15;
-    const int64_t *table = a->table + p * a->nblk;
+    const int64_t *table = a->table + (a->req ? a->req[p] : p) * a->nblk;
     const int C = (int)(D / 32); /* 32 bf16 per VDPBF16PS */
     __m512bh qv[PAGED_MAX_G * PAGED_MAX_D / 32];
     for (int g = 0; g < G; g++)
@@ -986,19 +987,23 @@ DP_TARGET static int paged_any(const paged_job *a, int64_t task) {
     return paged_task(a, task, G, a->D);
 }
 
-/* P requests, one query token each (row p of q, stride qs elements, Hq heads of D), attend
-   to keys [start, num_keys[p]) of the bf16 cache [blocks, bs, 2, Hkv, D] through table[p]
-   (nblk blocks), start = num_keys - window when window > 0. Their K|V are already written.
-   out: [P, Hq, D] in q's dtype (bf16 when q_bf16, else fp32). Needs AVX512-BF16 (the
-   caller checks), D a multiple of 32 up to 256, Hq / Hkv <= 16. */
+/* P query rows (row p of q, stride qs elements, Hq heads of D), each attending to keys
+   [start, num_keys[p]) of the bf16 cache [blocks, bs, 2, Hkv, D] through table row
+   req[p] (p when req is NULL; R rows of nblk blocks), start = num_keys - window when
+   window > 0: a decoding request's one query, or a prefill chunk's rows, each its
+   position + 1 keys. Their K|V are already written. out: [P, Hq, D] in q's dtype (bf16
+   when q_bf16, else fp32). Needs AVX512-BF16 (the caller checks), D a multiple of 32 up
+   to 256, Hq / Hkv <= 16. */
 int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const uint16_t *cache,
-                      const int64_t *table, int64_t nblk, const int64_t *num_keys, int64_t window,
-                      int64_t P, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                      int threads) {
+                      const int64_t *table, int64_t R, int64_t nblk, const int64_t *req,
+                      const int64_t *num_keys, int64_t window, int64_t P, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
     if (D % 32 || D > PAGED_MAX_D || Hq % Hkv || Hq / Hkv > PAGED_MAX_G) return -1;
     for (int64_t p = 0; p < P; p++)
-        if (num_keys[p] < 1 || num_keys[p] > nblk * bs) return -1;
-    paged_job job = {q, qs, q_bf16, out, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale};
+        if (num_keys[p] < 1 || num_keys[p] > nblk * bs || (req ? req[p] : p) < 0 ||
+            (req ? req[p] : p) >= R)
+            return -1;
+    paged_job job = {q, qs, q_bf16, out, cache, table, nblk, req, num_keys, window, Hq, Hkv, D, bs, scale};
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 2) num_threads(threads) reduction(| : bad)
     for (int64_t task = 0; task < P * Hkv; task++) bad |= paged_any(&job, task);

@@ -45,6 +45,10 @@ class AttentionGroup:
     num_keys: int | None = None  # one decoding request: it sees keys [0, num_keys), no mask
     first_block: int | None = None  # one request whose blocks are consecutive: no gather
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
+    # with AttentionMetadata.bf16_ops: each row one query of `CpuOps.attn_paged`, its keys
+    # [num_rows] (position + 1) and its request [num_rows] (None: row i is request i)
+    row_keys: torch.Tensor | None = None
+    row_requests: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -66,11 +70,10 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None
     # any other step of a bf16 model on an AVX512-BF16 CPU: the decoder layers run their
     # small ops on these kernels (DecoderLayer.forward_bf16, `positions` set), and the
-    # decoding requests' attention reads the blocks in place (`CpuOps.attn_paged`) where
-    # gather + SDPA copies every request's keys padded to the longest first
+    # groups with `row_keys` attend on `CpuOps.attn_paged`, reading the blocks in place
+    # where gather + SDPA copies every request's keys padded to the longest and masks
     # (benchmarks/RESULTS.md, Engine)
     bf16_ops: CpuOps | None = None
-    decode_num_keys: torch.Tensor | None = None  # [P] int64, the decode group's
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""
@@ -129,13 +132,13 @@ def _attend(
     grp: AttentionGroup,
     window: int | None,
 ) -> torch.Tensor:
-    """One group's attention: the paged kernel for the decode group where `meta` has it,
-    else gather + SDPA."""
-    ops, num_keys = meta.bf16_ops, meta.decode_num_keys
-    if ops is None or num_keys is None or grp.q_len != 1 or grp.row_start != 0:
+    """One group's attention: the paged kernel, a query row at a time, where `meta` has it
+    and the group its rows' keys; else gather + SDPA."""
+    ops = meta.bf16_ops
+    if ops is None or grp.row_keys is None:
         return _group_attention(q, kv_cache, meta, grp, window)
     table = grp.block_index.view(grp.num_requests, -1)
-    return ops.attn_paged(q, kv_cache, table, num_keys, window)
+    return ops.attn_paged(q, kv_cache, table, grp.row_keys, window, grp.row_requests)
 
 
 def _group_attention(

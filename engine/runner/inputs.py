@@ -101,8 +101,14 @@ def prepare_inputs(
         meta.num_keys = groups[0].query_pos.view(-1) + 1
     elif bf16_ops is not None:
         meta.bf16_ops, meta.positions = bf16_ops, rows[1]
-        if decodes:
-            meta.decode_num_keys = groups[0].query_pos.view(-1) + 1
+        # every group attends a row at a time on the paged kernel: a prefill chunk's rows
+        # too, where SDPA pays a padded, masked gather (2x slower at 128 to 4,000 tokens,
+        # benchmarks/RESULTS.md, Engine)
+        for grp in groups:
+            grp.row_keys = rows[1, grp.row_start : grp.row_start + grp.num_rows] + 1
+        if prefills:
+            counts = torch.tensor([s.num_new_tokens for s in prefills])
+            groups[-1].row_requests = torch.arange(len(prefills)).repeat_interleave(counts)
     return StepInputs(
         input_ids=rows[0],
         positions=rows[1],

@@ -366,6 +366,35 @@ def test_paged_attention_matches_sdpa_over_each_requests_keys(
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_rows_of_prefill_chunks_see_their_requests_keys_up_to_them(
+    window: int | None,
+) -> None:
+    """Prefill rows: two requests' chunks (rows 0-4 of request 1, rows 5-8 of request 0),
+    each row attending to its request's keys up to its own position, as a causal SDPA."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(11)
+    bs, hq, hkv, d = 4, 8, 2, 64
+    cache = torch.randn(12, bs, 2, hkv, d, generator=g).to(torch.bfloat16)
+    table = torch.tensor([[3, 7, 1], [9, 2, 5]])
+    requests = torch.tensor([1, 1, 1, 1, 1, 0, 0, 0, 0])
+    keys = torch.tensor([3, 4, 5, 6, 7, 9, 10, 11, 12])
+    q = torch.randn(9, hq, d, generator=g).to(torch.bfloat16)
+    out = ops.attn_paged(q, cache, table, keys, window, requests)
+    flat = cache.float().view(-1, 2, hkv, d)
+    for row, (r, n) in enumerate(zip(requests.tolist(), keys.tolist(), strict=True)):
+        kv = torch.cat([flat[b * bs : (b + 1) * bs] for b in table[r].tolist()])[:n]
+        kv = kv[max(0, n - window) :] if window else kv
+        k = kv[:, 0].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        v = kv[:, 1].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[row].float()[:, None], k, v)
+        torch.testing.assert_close(out[row].float(), ref[:, 0], rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        ops.attn_paged(q, cache, table, keys, window, requests + 1)  # request 2: no row
+
+
+@needs_bf16_dot
 def test_paged_attention_rejects_keys_beyond_the_table() -> None:
     ops = kernels.cpu_ops()
     assert ops is not None
