@@ -144,11 +144,11 @@ def rep_ratios(a: list[dict], b: list[dict], key: str = "tokens_per_s") -> list[
     return [round(x[key] / y[key], 2) for x, y in zip(a, b, strict=True) if y.get(key) and key in x]
 
 
-def _vs_vllm(runs: dict[str, list[dict]], w: dict) -> None:
-    """Sluice vs vLLM into workload result `w`: the median of per-rep ratios, and each rep."""
-    per_rep = rep_ratios(runs["sluice"], runs["vllm"])
-    w["ratios"]["sluice_vs_vllm"] = round(statistics.median(per_rep), 2) if per_rep else None
-    w["sluice_vs_vllm_per_rep"] = per_rep
+def _paired(runs: dict[str, list[dict]], w: dict, a: str = "sluice", b: str = "vllm") -> None:
+    """`a` vs `b` into workload result `w`: the median of per-rep ratios, and each rep."""
+    per_rep = rep_ratios(runs[a], runs[b])
+    w["ratios"][f"{a}_vs_{b}"] = round(statistics.median(per_rep), 2) if per_rep else None
+    w[f"{a}_vs_{b}_per_rep"] = per_rep
 
 
 def _bench_mixed(
@@ -191,7 +191,7 @@ def _bench_mixed(
         "useful_tokens": sum(outputs),
     }
     if "vllm" in runs:
-        _vs_vllm(runs, w)
+        _paired(runs, w)
     return w
 
 
@@ -239,21 +239,21 @@ def _bench_batch1(
     if vllm is not None:
         fns["vllm"] = functools.partial(vllm.run, "batch1")
     runs = _interleave(fns, reps)
-    systems = {name: _median_of(r) for name, r in runs.items()}
+    w: dict[str, Any] = {
+        "systems": {name: _median_of(r) for name, r in runs.items()},
+        "ratios": {},
+        "reps": reps,
+    }
     pairs = [
         ("sluice", "hf_generate"),
         ("sluice_int8", "hf_generate"),
         ("sluice", "llama_cpp"),
         ("sluice_int8", "llama_cpp_q8_0"),
+        ("sluice", "vllm"),
     ]
-    ratios = {
-        f"{a}_vs_{b}": _ratio(systems[a], systems[b])
-        for a, b in pairs
-        if a in systems and b in systems
-    }
-    w = {"systems": systems, "ratios": ratios, "reps": reps}
-    if "vllm" in runs:
-        _vs_vllm(runs, w)
+    for a, b in pairs:
+        if a in runs and b in runs:
+            _paired(runs, w, a, b)
     return w
 
 
@@ -340,7 +340,9 @@ def run(
                 work["batch1"],
                 ggufs,
                 peer,
-                reps=1 if quick and not peer else 3,
+                # 5 with a peer: this host drifts between seconds, and each pair's ratio
+                # counts (the median of per-rep ratios)
+                reps=(1 if quick else 3) if not (peer or ggufs) else 5,
             ),
             "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
             "mixed": _bench_mixed(lm, hf, dtype, quick, work["mixed"], peer),

@@ -76,10 +76,10 @@ def test_vllm_ratio_is_the_median_of_paired_reps() -> None:
     sluice = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}, {"tokens_per_s": 90.0}]
     vllm = [{"tokens_per_s": 200.0}, {"tokens_per_s": 50.0}, {"tokens_per_s": 100.0}]
     w: dict = {"ratios": {}}
-    engine._vs_vllm({"sluice": sluice, "vllm": vllm}, w)
+    engine._paired({"sluice": sluice, "vllm": vllm}, w)
     # the median pair (0.9), not the ratio of the median runs (90 / 100)
     assert w == {"ratios": {"sluice_vs_vllm": 0.9}, "sluice_vs_vllm_per_rep": [0.5, 1.0, 0.9]}
-    engine._vs_vllm({"sluice": sluice, "vllm": [{"tokens_per_s": 0.0}] * 3}, w)
+    engine._paired({"sluice": sluice, "vllm": [{"tokens_per_s": 0.0}] * 3}, w)
     assert w["ratios"]["sluice_vs_vllm"] is None
 
 
