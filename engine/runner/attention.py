@@ -16,6 +16,10 @@ lower-right causal (never `is_causal=True`, which is top-left aligned: §4.5), a
 sliding window when the layer has one. A group of one decoding request (`num_keys` set) needs
 no mask: its keys are sliced to exactly the positions it may see; when its blocks are
 consecutive (`first_block`) they are read in place, without the gather.
+
+A bf16 step on an AVX512-BF16 CPU (`AttentionMetadata.bf16_ops`) skips the gather, the
+padding and the masks: every group's rows attend on `CpuOps.attn_paged`, one query row at
+a time over its request's blocks in place, to its position + 1 keys (`row_keys`).
 """
 
 from __future__ import annotations
