@@ -710,17 +710,19 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
     return atomic_load(&job.bad) ? -2 : 0;
 }
 
-/* ---- sluice_attn_paged: decode attention of many requests over a bf16 paged cache ----
-   The decode group of a mixed or large step (engine/runner/attention.py), where torch
-   gathers every request's blocks into a padded copy and runs SDPA over the padding too.
-   Here each (request, KV head) reads its own keys and values in place: scores of the KV
+/* ---- sluice_attn_paged: attention of many query rows over a bf16 paged cache ----
+   The rows of a mixed or large step (engine/runner/attention.py): decoding requests, and
+   prefill chunks' tokens, each its request's keys up to its position, where torch gathers
+   every request's blocks into a padded copy and runs a masked SDPA over the padding too.
+   Here each (row, KV head) reads its own keys and values in place: scores of the KV
    head's G query heads with VDPBF16PS (q and K are bf16 in a bf16 model: exact products,
-   fp32 sums), a two-pass softmax in fp32 with a vectorized exp, P.V accumulated in fp32
-   and rounded once. Tasks run on OpenMP threads: the team torch's own ops run on (one
-   libgomp in the process), so no second set of threads competes with it for the cores.
-   In the model every layer's keys come from beyond L2 (the weights streamed between
-   layers evict them): prefetching PF keys ahead, across blocks too, nearly halved its
-   time (benchmarks/RESULTS.md, Engine). */
+   fp32 sums), 16 keys summed in one pass (`sum16`), a two-pass softmax in fp32 with a
+   vectorized exp, and P.V on VDPBF16PS two keys at a time with the weights rounded to bf16
+   as torch's are (fp32 FMAs for an fp32 q). Tasks run on OpenMP threads: the team torch's
+   own ops run on (one libgomp in the process), so no second set of threads competes with
+   it for the cores. In the model every layer's keys come from beyond L2 (the weights
+   streamed between layers evict them): the next 16 keys' rows are prefetched, across
+   blocks too (benchmarks/RESULTS.md, Engine). */
 
 DP_TARGET static inline __m512 widen16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -750,7 +752,6 @@ DP_TARGET static inline __m512 exp16(__m512 x) {
 
 #define PAGED_MAX_G 16
 #define PAGED_MAX_D 256
-#define PF 4 /* keys ahead that are prefetched */
 
 typedef struct {
     const void *q;
@@ -787,6 +788,20 @@ DP_TARGET static inline __m512 sum16(const __m512 *v) {
 
 DP_TARGET static inline void store_bf16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* A task's scores and weights: this thread's buffer, grown as needed and kept (a prefill
+   row of a long context would otherwise malloc, past the mmap threshold, every task). */
+static void *paged_scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = (bytes + 4095) & ~(size_t)4095;
+        buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
 }
 
 /* P.V of `paged_task` for bf16 weights wb [G, n16] (keys start.., zero past the last):
@@ -865,7 +880,7 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
             }
         }
     /* scores, then P.V weights: fp32 [G, n16], and the bf16 weights [G, n16] after */
-    float *s = aligned_alloc(64, (size_t)(G * n16) * (sizeof(float) + sizeof(uint16_t)));
+    float *s = paged_scratch((size_t)(G * n16) * (sizeof(float) + sizeof(uint16_t)));
     if (!s) return 1;
     /* Q.K, 16 keys at a time: a (query head, key) dot is a 16-lane accumulator, and
        `sum16` folds 16 of them into one vector of 16 scores (each summed in
@@ -930,7 +945,6 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
     }
     if (a->q_bf16) {
         paged_pv_bf16(a, p, kvh, start, end, G, D, wb, n16, inv);
-        free(s);
         return 0;
     }
     /* P.V, 64 values of D at a time: G * 4 accumulators */
@@ -964,7 +978,6 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
             }
         }
     }
-    free(s);
     return 0;
 }
 
