@@ -804,27 +804,31 @@ static void *paged_scratch(size_t bytes) {
     return buf;
 }
 
+/* The cache row of the key at block b, offset o of a request's table; steps (b, o) on to
+   the next key (a division a key cost more than the rest of its work). */
+static inline const uint16_t *next_key_row(const uint16_t *cache, const int64_t *table,
+                                           int64_t *b, int64_t *o, int64_t bs, int64_t row) {
+    const uint16_t *r = cache + (table[*b] * bs + *o) * row;
+    if (++*o == bs) *o = 0, ++*b;
+    return r;
+}
+
 /* P.V of `paged_task` for bf16 weights wb [G, n16] (keys start.., zero past the last):
    VDPBF16PS on two keys at a time, their V rows interleaved pair-wise (vpunpck*wd), so
    the accumulators hold D in the unpack's lane order until they are stored. */
 DP_TARGET static inline __attribute__((always_inline)) void paged_pv_bf16(
-    const paged_job *a, int64_t p, int64_t kvh, int64_t start, int64_t end, const int G,
-    const int64_t D, const uint16_t *wb, int64_t n16, const float *inv) {
-    const int64_t Hkv = a->Hkv, bs = a->bs, row = 2 * Hkv * D;
-    const int64_t *table = a->table + (a->req ? a->req[p] : p) * a->nblk;
+    const paged_job *a, const int64_t *table, int64_t p, int64_t kvh, int64_t start,
+    int64_t end, const int G, const int64_t D, const uint16_t *wb, int64_t n16, const float *inv) {
+    const int64_t Hkv = a->Hkv, bs = a->bs, row = 2 * Hkv * D, vcol = (Hkv + kvh) * D;
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int Z = D - d0 >= 64 ? 2 : 1; /* 32-value vectors of V in this pass */
         __m512 acc[PAGED_MAX_G * 4];
         for (int i = 0; i < G * 4; i++) acc[i] = _mm512_setzero_ps();
         int64_t b = start / bs, o = start % bs;
         for (int64_t j = start; j < end; j += 2) {
-            const uint16_t *v0 = a->cache + (table[b] * bs + o) * row + (Hkv + kvh) * D + d0;
-            if (++o == bs) o = 0, b++;
-            const uint16_t *v1 = v0; /* a lone last key pairs with itself, at weight 0 */
-            if (j + 1 < end) {
-                v1 = a->cache + (table[b] * bs + o) * row + (Hkv + kvh) * D + d0;
-                if (++o == bs) o = 0, b++;
-            }
+            const uint16_t *v0 = next_key_row(a->cache, table, &b, &o, bs, row) + vcol + d0;
+            /* a lone last key pairs with itself, at weight 0 */
+            const uint16_t *v1 = j + 1 < end ? next_key_row(a->cache, table, &b, &o, bs, row) + vcol + d0 : v0;
             __m512bh lo[2], hi[2];
             for (int z = 0; z < Z; z++) {
                 const __m512i x0 = _mm512_loadu_si512(v0 + z * 32), x1 = _mm512_loadu_si512(v1 + z * 32);
@@ -856,7 +860,7 @@ DP_TARGET static inline __attribute__((always_inline)) void paged_pv_bf16(
     }
 }
 
-/* One (request, KV head). G and D are constants where the caller dispatches on them, so
+/* One (query row, KV head). G and D are constants where the caller dispatches on them, so
    the accumulators of the P.V loop stay in registers. */
 DP_TARGET static inline __attribute__((always_inline)) int paged_task(const paged_job *a,
                                                                       int64_t task, const int G,
@@ -893,16 +897,13 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
     const uint16_t *key_rows[2][16];
     int64_t map_b = start / bs, map_o = start % bs; /* block and offset of the next key to map */
     int cur = 0;
-    for (int i = 0; i < 16 && start + i < end; i++) {
-        key_rows[0][i] = a->cache + (table[map_b] * bs + map_o) * row + kvh * D;
-        if (++map_o == bs) map_o = 0, map_b++;
-    }
+    for (int i = 0; i < 16 && start + i < end; i++)
+        key_rows[0][i] = next_key_row(a->cache, table, &map_b, &map_o, bs, row) + kvh * D;
     for (int64_t j0 = start; j0 < end; j0 += 16, cur ^= 1) {
         const int nk = end - j0 < 16 ? (int)(end - j0) : 16;
         const uint16_t **kp = key_rows[cur], **next = key_rows[cur ^ 1];
         for (int i = 0; i < 16 && j0 + 16 + i < end; i++) {
-            const uint16_t *k = next[i] = a->cache + (table[map_b] * bs + map_o) * row + kvh * D;
-            if (++map_o == bs) map_o = 0, map_b++;
+            const uint16_t *k = next[i] = next_key_row(a->cache, table, &map_b, &map_o, bs, row) + kvh * D;
             for (int64_t c = 0; c < D; c += 32) {
                 _mm_prefetch((const char *)(k + c), _MM_HINT_T0);
                 _mm_prefetch((const char *)(k + Hkv * D + c), _MM_HINT_T1);
@@ -944,10 +945,10 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
         inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     if (a->q_bf16) {
-        paged_pv_bf16(a, p, kvh, start, end, G, D, wb, n16, inv);
+        paged_pv_bf16(a, table, p, kvh, start, end, G, D, wb, n16, inv);
         return 0;
     }
-    /* P.V, 64 values of D at a time: G * 4 accumulators */
+    /* fp32 q: P.V in fp32, 64 values of D at a time: G * 4 accumulators */
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int V = D - d0 >= 64 ? 4 : (int)((D - d0) / 16);
         __m512 acc[PAGED_MAX_G * 4];
@@ -968,14 +969,8 @@ DP_TARGET static inline __attribute__((always_inline)) int paged_task(const page
         for (int g = 0; g < G; g++) {
             const int64_t at = (p * a->Hq + kvh * G + g) * D + d0;
             const __m512 sc = _mm512_set1_ps(inv[g]);
-            for (int c = 0; c < V; c++) {
-                const __m512 o = _mm512_mul_ps(acc[g * 4 + c], sc);
-                if (a->q_bf16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + at + c * 16),
-                                        (__m256i)_mm512_cvtneps_pbh(o));
-                else
-                    _mm512_storeu_ps((float *)a->out + at + c * 16, o);
-            }
+            for (int c = 0; c < V; c++)
+                _mm512_storeu_ps((float *)a->out + at + c * 16, _mm512_mul_ps(acc[g * 4 + c], sc));
         }
     }
     return 0;
@@ -1012,10 +1007,10 @@ int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const ui
                       const int64_t *num_keys, int64_t window, int64_t P, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
     if (D % 32 || D > PAGED_MAX_D || Hq % Hkv || Hq / Hkv > PAGED_MAX_G) return -1;
-    for (int64_t p = 0; p < P; p++)
-        if (num_keys[p] < 1 || num_keys[p] > nblk * bs || (req ? req[p] : p) < 0 ||
-            (req ? req[p] : p) >= R)
-            return -1;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r = req ? req[p] : p;
+        if (num_keys[p] < 1 || num_keys[p] > nblk * bs || r < 0 || r >= R) return -1;
+    }
     paged_job job = {q, qs, q_bf16, out, cache, table, nblk, req, num_keys, window, Hq, Hkv, D, bs, scale};
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 2) num_threads(threads) reduction(| : bad)
@@ -1101,8 +1096,7 @@ DP_TARGET void sluice_argmax_bf16(const uint16_t *x, int64_t M, int64_t N, int64
         for (int c = 1; c < 4; c++) { /* the greater, or the earlier of equals */
             const __mmask16 take = _mm512_cmp_ps_mask(best[c], best[0], _CMP_GT_OQ) |
                                    (_mm512_cmp_ps_mask(best[c], best[0], _CMP_EQ_OQ) &
-                                    _mm512_cmp_epi32_mask(at[c], at[0], _MM_CMPINT_LT) &
-                                    _mm512_cmp_epi32_mask(at[c], _mm512_setzero_si512(), _MM_CMPINT_NLT));
+                                    _mm512_cmp_epi32_mask(at[c], at[0], _MM_CMPINT_LT));
             best[0] = _mm512_mask_mov_ps(best[0], take, best[c]);
             at[0] = _mm512_mask_mov_epi32(at[0], take, at[c]);
         }
