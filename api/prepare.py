@@ -209,6 +209,11 @@ def check_common(body: Any, limits: RequestLimits) -> None:
         raise refuse(param, "penalties are not supported by this server; use 0")
     if body.logit_bias:
         raise refuse("logit_bias", "logit_bias is not supported by this server")
+    if body.min_p:
+        raise refuse("min_p", "min_p is not supported by this server; use 0")
+    if body.prompt_logprobs is not None:
+        check_logprobs(body.prompt_logprobs, limits, "prompt_logprobs")
+        raise refuse("prompt_logprobs", "prompt logprobs are not returned by this server")
 
 
 def check_logprobs(count: int | None, limits: RequestLimits, param: str) -> None:
@@ -267,6 +272,7 @@ def build_call(
                     reply_to=reply_to,
                     created_ms=now_ms,
                     cache_salt=principal.tenant_id,
+                    bill_prompt=c == 0,
                 )
             )
     return Call(

@@ -58,6 +58,8 @@ class GenerateRequest(Message):
     custom_id: str | None = None
     # tokens the client already received from an earlier attempt (failover resumes here)
     resume_token_ids: list[int] = Field(default_factory=list)
+    # False for the later choices of one prompt (n > 1): a call's prompt is billed once
+    bill_prompt: bool = True
 
 
 class Cancel(Message):

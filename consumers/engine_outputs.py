@@ -99,7 +99,9 @@ def build_step(
         if delta.finished:
             item.finishing()
             out.finished.append(item)
-            if not item.handed_over:
+            # an attempt ended silently (lost, fenced, stopped, handed over) bills through
+            # the attempt that resumes it (`superseded_usage`), not a record of its own
+            if not item.silent:
                 timings = _timings(item)
                 usage = usage_record(item, delta, timings)
                 out.usage.append(usage)
@@ -157,9 +159,10 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
     finish = delta.finish_reason
     usage = None
     if delta.finished:  # nothing follows a terminal part: item.token_offset is final
+        prompt_tokens, cached_tokens = billed_prompt(item, delta)
         usage = Usage(
-            prompt_tokens=len(item.request.prompt_token_ids),
-            cached_tokens=_cached(item, delta),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
             completion_tokens=item.token_offset,  # the whole completion, all attempts
         )
     logprobs = None
@@ -193,8 +196,18 @@ def _client_error(delta: EngineDelta) -> str | None:
     return delta.error or "the engine failed to generate this request"
 
 
-def _cached(item: WorkItem, delta: EngineDelta) -> int:
-    return min(delta.num_cached_tokens or 0, len(item.request.prompt_token_ids))
+def billed_prompt(item: WorkItem, delta: EngineDelta) -> tuple[int, int]:
+    """The (prompt, cached) tokens a request's ending attempt bills, and its client is
+    shown: its prompt once per request, by the attempt that ends it, whichever attempt ran
+    it (superseded attempts bill only the tokens they published, `superseded_usage`).
+    None when the prompt never ran, nor for the later choices of one prompt (n > 1:
+    `GenerateRequest.bill_prompt`), as OpenAI bills them."""
+    request = item.request
+    ran = bool(delta.num_prompt_tokens) or item.num_generated > 0 or bool(item.resumed_token_ids)
+    if not ran or not request.bill_prompt:
+        return 0, 0
+    prompt_tokens = len(request.prompt_token_ids)
+    return prompt_tokens, min(delta.num_cached_tokens or 0, prompt_tokens)
 
 
 def _timings(item: WorkItem) -> Timings:
@@ -209,17 +222,17 @@ def _timings(item: WorkItem) -> Timings:
 
 
 def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageRecord:
-    """What this attempt consumed: prompt tokens of the client's prompt when it ran (the
-    resumed tokens re-read as prompt were billed as completion of the earlier attempt),
-    and the tokens this attempt generated (billed = generated, docs/architecture.md §5.4)."""
-    ran = delta.num_prompt_tokens is not None and delta.num_prompt_tokens > 0
-    prompt_tokens = len(item.request.prompt_token_ids) if ran else 0
+    """What the attempt that ends a request bills: the request's prompt
+    (`billed_prompt`) and the tokens this attempt generated. With the superseded
+    attempts' records, it sums to the usage on the terminal delta, what the client is
+    shown (docs/architecture.md §5.4)."""
+    prompt_tokens, cached_tokens = billed_prompt(item, delta)
     completion = delta.num_output_tokens
     return _usage(
         item,
         item.attempt,
         prompt_tokens,
-        min(_cached(item, delta), prompt_tokens),
+        cached_tokens,
         item.num_generated if completion is None else completion,
         to_bus_finish_reason(delta.finish_reason or "abort"),
         timings,
@@ -227,15 +240,16 @@ def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageR
 
 
 def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> UsageRecord:
-    """The usage of an earlier attempt whose worker died before publishing it (kill -9):
-    the tokens the progress store confirms it published, which the client received.
-    It generated, so its prompt ran: it bills the client's prompt as every attempt that
-    ran does (`usage_record`). It is an estimate: the attempt may have generated more
-    before it died, and its own record, if it went out, replaces this one (`UsageRecord`)."""
+    """The usage of an earlier attempt that ended without ending the request (its worker
+    was killed, lost the request or was fenced; its engine died): the tokens the
+    progress store confirms it published, which the client received and the attempt
+    resuming it does not generate again. No prompt: the attempt that ends the request
+    bills it once (`billed_prompt`); the prompt recomputed by each attempt is the
+    operator's cost. Marked `estimated`: should the attempt's own record arrive too, the
+    ledger keeps one row per attempt."""
     request = item.request
     timings = Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms())
-    prompt = len(request.prompt_token_ids)
-    usage = _usage(item, attempt, prompt, 0, completion_tokens, "error", timings)
+    usage = _usage(item, attempt, 0, 0, completion_tokens, "error", timings)
     return usage.model_copy(update={"estimated": True})
 
 

@@ -237,6 +237,49 @@ def test_ledger_equals_engine_usage_equals_what_clients_were_told(
         stack.close()
 
 
+def test_n_choices_bill_the_prompt_once_as_the_client_is_shown(
+    stores: tuple[Database, Any],
+) -> None:
+    """n > 1 and several prompts: each distinct prompt once in `usage` and in the ledger,
+    cached ≤ prompt, and the ledger's cost is the price of what the client was shown."""
+    db, make_quotas = stores
+    _price(db)
+    tenant = admin.create_tenant(db, "n-choices", **PLAN)
+    stack = start_stack(db, make_quotas)
+    try:
+        url, headers = stack.urls[0], auth(tenant["api_key"])
+        bodies = [
+            ("chat/completions", chat(5, n=8)),
+            ("chat/completions", chat(5, n=8)),  # the prompt again: cache hits
+            (
+                "completions",
+                {"model": MODEL, "prompt": ["one", "two two", "three"], "n": 2, "max_tokens": 4},
+            ),
+        ]
+        shown = [0, 0, 0]
+        subrequests = 0
+        for path, body in bodies:
+            r = httpx.post(f"{url}/v1/{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert 0 <= cached <= usage["prompt_tokens"]
+            for i, value in enumerate((usage["prompt_tokens"], cached, usage["completion_tokens"])):
+                shown[i] += value
+            subrequests += len(r.json()["choices"])
+        assert shown[1] > 0  # the second call's choices hit the cache
+        stack.wait(lambda: len(_ledger(db)) >= subrequests, what="ledger rows")
+        rows = list(_ledger(db).values())
+        ledger = [sum(getattr(r, f) for r in rows)
+                  for f in ("prompt_tokens", "cached_tokens", "completion_tokens")]  # fmt: skip
+        assert ledger == shown
+        # input 1 USD/M is 1e6 picos a token, cached 0.5, output 2
+        expected = (shown[0] - shown[1]) * 1_000_000 + shown[1] * 500_000 + shown[2] * 2_000_000
+        assert sum(r.cost_picos for r in rows) == expected
+    finally:
+        stack.close()
+
+
 def _cli_report(db: Database, tenant: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     url = db.engine.url.render_as_string(hide_password=False)
     monkeypatch.setenv("SLUICE_DATABASE_URL", url)

@@ -5,7 +5,9 @@ every `step_s` it admits waiting requests up to `max_running`, ends aborted and 
 ones, and gives each running request one token. The next token is a hash of the whole
 context (prompt + output so far), like a greedy language model, so a request resumed
 with prompt + already generated tokens continues exactly as the uninterrupted one.
-Each token's text is one letter. `greedy_tokens()` is the oracle.
+Each token's text is one letter. `greedy_tokens()` is the oracle. A prompt it ran
+before hits its "prefix cache" for all tokens but the last, as a real one would (n > 1,
+a resumed attempt).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class _Live:
     request: EngineRequest
     output: list[int] = field(default_factory=list)
     aborted: bool = False
+    num_cached_tokens: int = 0
 
 
 class FakeEngineBackend:
@@ -68,6 +71,7 @@ class FakeEngineBackend:
         self._waiting: list[_Live] = []
         self._running: list[_Live] = []
         self._aborted: set[str] = set()
+        self._cached_prompts: set[tuple[int, ...]] = set()
         self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -150,7 +154,12 @@ class FakeEngineBackend:
                 out.append(self._terminal(live, reason))
         self._aborted.clear()
         while self._waiting and len(self._running) < self.max_running:
-            self._running.append(self._waiting.pop(0))
+            live = self._waiting.pop(0)
+            prompt = tuple(live.request.prompt_token_ids)
+            if prompt in self._cached_prompts:
+                live.num_cached_tokens = len(prompt) - 1
+            self._cached_prompts.add(prompt)
+            self._running.append(live)
         for live in list(self._running):
             out.append(self._generate(live))
         return out
@@ -167,7 +176,7 @@ class FakeEngineBackend:
             done = self._terminal(live, "stop" if stopped else "length")
             delta.finish_reason = done.finish_reason
             delta.num_prompt_tokens = done.num_prompt_tokens
-            delta.num_cached_tokens = 0
+            delta.num_cached_tokens = live.num_cached_tokens
             delta.num_output_tokens = done.num_output_tokens
         return delta
 
@@ -181,7 +190,7 @@ class FakeEngineBackend:
             live.request.request_id,
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=len(live.request.prompt_token_ids),
-            num_cached_tokens=0,
+            num_cached_tokens=live.num_cached_tokens,
             num_output_tokens=len(live.output),
         )
 

@@ -187,3 +187,16 @@ def partition_tenants(num_partitions: int = 2) -> list[str]:
         if len(found) == num_partitions:
             break
     return [found[p] for p in range(num_partitions)]
+
+
+def assert_billed_as_shown(client: Client, request_id: str, prompt_tokens: int) -> None:
+    """Σ of the request's usage records (one per attempt) = the usage on the terminal
+    delta its client is shown: the prompt once, each token the client was sent once."""
+    records = [u for u in client.usage if u.request_id == request_id]
+    shown = client.view.streams[request_id].deltas[-1].usage
+    assert shown is not None and shown.prompt_tokens == prompt_tokens
+    billed = tuple(
+        sum(getattr(u, f) for u in records)
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens")
+    )
+    assert billed == (shown.prompt_tokens, shown.cached_tokens, shown.completion_tokens), records

@@ -69,8 +69,16 @@ def run_failover(
         (0, num_resumed),
         (1, MAX_TOKENS - num_resumed),
     ]
-    assert usage[0].finish_reason == "error" and usage[0].prompt_tokens == 3
+    # the prompt once, by the attempt that ends the request: the client is shown that sum
+    assert [(u.prompt_tokens, u.cached_tokens) for u in usage] == [(0, 0), (3, 0)]
+    assert usage[0].finish_reason == "error"
     assert usage[0].estimated and not usage[1].estimated  # A's own record would replace it
+    shown = client.view.streams[request_id].deltas[-1].usage
+    assert shown is not None
+    assert (shown.prompt_tokens, shown.completion_tokens) == (
+        sum(u.prompt_tokens for u in usage),
+        sum(u.completion_tokens for u in usage),
+    )
     # the short request finished on A before the kill or was redone on B: one terminal
     assert client.view.streams[f"{request_id}-short"].num_terminal == 1
 

@@ -36,11 +36,13 @@ def test_a_zombie_attempt_is_fenced_and_aborts_without_a_terminal_delta() -> Non
     client.wait(lambda: "z" in client.view.streams and len(client.view.streams["z"].token_ids) > 3)
     [start] = store.begin_attempts([("z", 0)])  # another worker took over
     assert start.attempt == 1
-    client.wait(lambda: any(u.request_id == "z" for u in client.usage))
+    client.wait(lambda: "z" in backend.aborts)
     worker.stop()
     client.pump()
-    assert "z" in backend.aborts
     stream = client.view.streams["z"]
     assert stream.finish_reason is None  # the zombie said nothing final to the client
-    [usage] = [u for u in client.usage if u.request_id == "z"]
-    assert usage.attempt == 0 and usage.completion_tokens >= len(stream.token_ids)
+    # nor bills: the attempt that took over bills the zombie's published tokens (its
+    # `superseded`), the prompt with its own end, so the ledger is what the client is shown
+    assert not [u for u in client.usage if u.request_id == "z"]
+    assert start.superseded is not None and start.superseded[0] == 0
+    assert 0 < start.superseded[1] <= len(stream.token_ids)

@@ -22,7 +22,13 @@ from engine.backends.base import EngineDeadError, EngineDelta
 from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 from engine.config import EngineConfig
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens
-from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.engine_harness import (
+    Client,
+    WorkerThread,
+    assert_billed_as_shown,
+    create_topics,
+    make_request,
+)
 
 PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7, 8], [400, 3, 2], [9, 9, 9, 9, 9, 11]]
 MAX_TOKENS = 200
@@ -128,6 +134,7 @@ def test_requests_the_engine_died_under_resume_on_the_restarted_engine() -> None
             (0, resumed.num_resumed_tokens, True),
             (1, 60 - resumed.num_resumed_tokens, False),
         ]
+        assert_billed_as_shown(client, r.request_id, len(r.prompt_token_ids))
     cancelled = client.view.streams["r2"]
     assert cancelled.finish_reason == "abort" and cancelled.num_terminal == 1
     assert "r2" not in {s.request_id for s in engine.submitted[3:]}  # never ran again
@@ -230,3 +237,4 @@ def test_a_killed_engine_process_restarts_and_its_requests_resume(tmp_path: Path
         assert [u.attempt for u in usage] == list(range(usage[0].attempt, got.attempt + 1))
         assert usage[-1].finish_reason == "length" and not usage[-1].estimated
         assert all(u.estimated and u.finish_reason == "error" for u in usage[:-1])
+        assert_billed_as_shown(client, rid, len(PROMPTS[i]))
