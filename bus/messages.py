@@ -144,14 +144,16 @@ class Timings(BaseModel):
 
 
 class UsageRecord(Message):
-    """What one attempt consumed. Exactly one per finished or aborted attempt; for an
-    attempt whose worker was killed, the worker that resumes the request publishes it
+    """What one attempt bills. One per attempt that ends its request, finished or
+    aborted (its prompt once, the tokens it generated); for an attempt that ended without
+    ending the request (its worker killed, its partition lost, fenced, its engine dead),
+    the worker that resumes the request publishes it
     (`consumers.engine_outputs.superseded_usage`) with `estimated` set: the tokens the
-    progress store confirms, a lower bound of what the attempt generated. The ledger and
-    the quota store keep one per (request_id, attempt): a replay changes nothing, and the
-    attempt's own record (its worker published it before dying, or was alive after all)
-    replaces an estimate, whichever arrives first, so billed = generated
-    (docs/architecture.md §5.4)."""
+    progress store confirms it published, and no prompt. Summed over the attempts, the
+    records equal the usage on the request's terminal delta, what its client is shown
+    (docs/architecture.md §5.4). The ledger and the quota store keep one per
+    (request_id, attempt): a replay changes nothing, and an attempt's own record replaces
+    an estimate, whichever arrives first."""
 
     request_id: str
     attempt: int = 0
