@@ -407,33 +407,38 @@ class BatchStore:
 
     def finish_lines(self, batch_id: str, outcomes: Sequence[LineOutcome]) -> int:
         """Record finished lines, each at most once, and add them to the batch's counts
-        in the same transaction; returns how many were new."""
+        in the same transaction; returns how many were new.
+
+        Each line moves to done by an UPDATE conditional on it not being done yet, and
+        only the lines that UPDATE moved are counted: the collector storing an answer and
+        a cancel or expiry ending the same line at once never count it twice (a read
+        first, then a write, let both see it unfinished).
+        """
         if not outcomes:
             return 0
         new = 0
+        totals = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0}
+        totals |= {"output_tokens": 0, "enqueued_tokens": 0}
         with self.db.session() as s:
-            rows = {
-                r.line: r
-                for r in s.execute(
-                    sa.select(BatchLineRow).where(
-                        BatchLineRow.batch_id == batch_id,
-                        BatchLineRow.line.in_([o.line for o in outcomes]),
-                    )
-                ).scalars()
-            }
-            totals = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0}
-            totals |= {"output_tokens": 0, "enqueued_tokens": 0}
             for outcome in outcomes:
-                row = rows.get(outcome.line)
-                if row is None or row.state == "done":
+                moved = s.execute(
+                    sa.update(BatchLineRow)
+                    .where(
+                        BatchLineRow.batch_id == batch_id,
+                        BatchLineRow.line == outcome.line,
+                        BatchLineRow.state != "done",
+                    )
+                    .values(state="done", ok=outcome.ok, result=outcome.result)
+                    .returning(BatchLineRow.tokens)
+                ).scalar_one_or_none()
+                if moved is None:
                     continue
-                row.state, row.ok, row.result = "done", outcome.ok, outcome.result
                 new += 1
                 totals["completed" if outcome.ok else "failed"] += 1
                 totals["input_tokens"] += outcome.prompt_tokens
                 totals["cached_tokens"] += outcome.cached_tokens
                 totals["output_tokens"] += outcome.completion_tokens
-                totals["enqueued_tokens"] -= row.tokens
+                totals["enqueued_tokens"] -= moved
             if new:
                 s.execute(
                     sa.update(BatchRow)
@@ -452,6 +457,27 @@ class BatchStore:
                 )
             ).scalars()
             return {r.line: _line_info(r) for r in rows}
+
+    def line_states(self, batch_id: str) -> dict[str, int]:
+        """How many of the batch's lines are in each state (pending, queued, done)."""
+        with self.db.session() as s:
+            rows = s.execute(
+                sa.select(BatchLineRow.state, sa.func.count())
+                .where(BatchLineRow.batch_id == batch_id)
+                .group_by(BatchLineRow.state)
+            ).all()
+            return {state: int(n) for state, n in rows}
+
+    def queued_tokens(self, tenant_id: str) -> int:
+        """Tokens (prompt + max_tokens) of the tenant's lines published and not finished,
+        over all its batches: what its batches have in flight."""
+        with self.db.session() as s:
+            total = s.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(BatchLineRow.tokens), 0))
+                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
+                .where(BatchRow.tenant_id == tenant_id, BatchLineRow.state == "queued")
+            ).scalar_one()
+            return int(total)
 
     def unfinished(self, batch_id: str) -> int:
         with self.db.session() as s:

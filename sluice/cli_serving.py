@@ -276,6 +276,7 @@ def serve(
         admission.auth.db,
         recover_on_start=True,
         engine_ready=wiring.WorkerProbe([worker]).ready,
+        admission=admission,
     ).start()
     app = wiring.build_gateway_app(gateway, bus, served, admission, batches=batches)
     # the URL and key only once a request would be answered, not while the model loads

@@ -23,6 +23,7 @@ from api.app import create_app, request_limits
 from api.routes.batches import BatchLimits
 from api.served import ServedModel
 from billing.admission import AdmissionService, open_admission
+from billing.batch_budget import BatchBudget
 from billing.batch_store import BatchStore
 from billing.db import Database
 from billing.ledger import UsageLedger
@@ -558,8 +559,13 @@ def batch_limits(settings: Settings) -> BatchLimits:
 
 
 def batch_runner(
-    settings: GatewaySettings, bus: EventBus, models: Sequence[ServedModel], db: Database
+    settings: GatewaySettings,
+    bus: EventBus,
+    models: Sequence[ServedModel],
+    db: Database,
+    admission: AdmissionService | None = None,
 ) -> BatchRunner:
+    """The batch steps; with `admission`, batch lines keep to the tenants' budgets."""
     config = BatchConfig(
         max_lines=settings.batch_max_lines,
         queue_tokens=settings.batch_queue_tokens,
@@ -569,7 +575,8 @@ def batch_runner(
     # the collector's topic (one partition, as it creates it) exists before a line goes
     # out: an engine answering first has the broker create it with its default partitions
     bus.create_topics([TopicSpec(reply_topic(BATCH_REPLY_TARGET), 1)])
-    return BatchRunner(BatchStore(db), bus, models, request_limits(settings), config)
+    budget = BatchBudget(admission) if admission is not None else None
+    return BatchRunner(BatchStore(db), bus, models, request_limits(settings), config, budget)
 
 
 def in_process_batches(
@@ -580,10 +587,11 @@ def in_process_batches(
     *,
     recover_on_start: bool,
     engine_ready: Callable[[], bool] | None = None,
+    admission: AdmissionService | None = None,
 ) -> InProcessBatches:
     """Embedded mode's batches: tasks, collector and sweep as threads of this process.
     `recover_on_start`: the bus is in memory, so a restart publishes unfinished lines again."""
-    runner = batch_runner(settings, bus, models, db)
+    runner = batch_runner(settings, bus, models, db, admission)
     return InProcessBatches(
         runner,
         batch_limits(settings),
@@ -621,7 +629,9 @@ def gateway_batches(
         "the batch steps itself; run one such gateway, or set a broker and `sluice worker "
         "batches`"
     )
-    return in_process_batches(settings, bus, models, db, recover_on_start=False).start()
+    return in_process_batches(
+        settings, bus, models, db, recover_on_start=False, admission=admission
+    ).start()
 
 
 def stop_batches(batches: CeleryBatches | InProcessBatches | None) -> None:
@@ -646,9 +656,13 @@ def batch_worker(settings: GatewaySettings, bus: EventBus) -> BatchWorker:
     checked both are set); the served model with its tokenizer only, no engine."""
     assert settings.database_url, "the batches worker needs SLUICE_DATABASE_URL"
     db = Database.connect(settings.database_url)
-    runner = batch_runner(settings, bus, [served_model(settings)], db)
+    # budgets need the gateways' quota store: Redis (without it each gateway keeps its own)
+    admission = open_tenancy(settings, embedded=False) if settings.redis_url else None
+    runner = batch_runner(settings, bus, [served_model(settings)], db, admission)
     app = celery_app(settings)
     bind_runner(app, runner)
     control = CeleryBatches(app, runner.store, batch_limits(settings))
-    collector = BatchCollector(bus, runner.store, runner.models, control.batch_done)
+    collector = BatchCollector(
+        bus, runner.store, runner.models, control.batch_done, budget=runner.budget
+    )
     return BatchWorker(app, collector, db)

@@ -3,8 +3,10 @@
 The routes only record what the caller asked for in the batch store; the work happens
 behind `BatchControl` (consumers/batches): `submitted` starts validating a new batch,
 `cancel_requested` aborts the lines of one moved to "cancelling". A batch of another
-tenant reads as missing (404), never as forbidden. Store and control calls are
-synchronous (SQL, a broker), so they run in a thread.
+tenant reads as missing (404), never as forbidden. A tenant whose monthly budget is
+spent cannot create a batch: 429 `insufficient_quota`, as every other route answers it
+(OpenAI's too); its running batches' lines stop there (`billing/batch_budget.py`).
+Store and control calls are synchronous (SQL, a broker), so they run in a thread.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from starlette.requests import HTTPConnection
 
 from api.auth import Principal, require_principal
 from api.batch_objects import Object, batch_object, cursor_page
+from api.deps import Gateway, gateway
 from api.errors import Conflict, InvalidRequest, NotFound, ServiceUnavailable
 from api.schemas import RequestBody
+from api.tenancy import denial
+from billing.batch_budget import BatchBudget
 from billing.batch_store import BatchInfo, BatchStore
 
 router = APIRouter(prefix="/v1", tags=["batches"])
@@ -145,14 +150,29 @@ async def _own_batch(control: BatchControl, principal: Principal, batch_id: str)
     return batch
 
 
+async def require_budget_left(gw: Gateway, principal: Principal) -> None:
+    """429 `insufficient_quota` (503 with the quota store down) when the tenant's
+    monthly budget is spent: none of the batch's lines could run."""
+    limits = principal.limits
+    if gw.admission is None or limits is None or limits.monthly_budget_micros is None:
+        return
+    budget = BatchBudget(gw.admission.admission)
+    check = partial(budget.check, principal.tenant_id, limits.monthly_budget_micros, 1)
+    decision = await asyncio.to_thread(check)
+    if not decision.allowed:
+        raise denial(decision)
+
+
 @router.post("/batches")
 async def create_batch(
     body: BatchCreateBody,
     principal: Principal = Depends(require_principal),
     control: BatchControl = Depends(batch_control),
+    gw: Gateway = Depends(gateway),
 ) -> Object:
     """Create a batch of requests from an uploaded `purpose=batch` file; it starts in
-    `validating`."""
+    `validating`. 429 `insufficient_quota` when the tenant's monthly budget is spent."""
+    await require_budget_left(gw, principal)
     store = control.store
     found = await by_object_id(body.input_file_id, partial(store.get_file, principal.tenant_id))
     if found is None or found.purpose != "batch":

@@ -10,6 +10,13 @@ bookkeeping the gateway keeps for a client: a lower attempt's deltas are fenced,
 redelivered ones dropped, and a resumed attempt's overlap cut by absolute offsets. A
 line is stored once (`BatchStore.finish_lines` ignores a line already done), so a
 redelivered answer or a resumed attempt changes nothing.
+
+What a line consumed is the usage on its requests' terminal deltas, which equals their
+ledger rows: a line never run (cancelled or expired before the engine ran it) costs 0
+and ends as `"response": null`; a line stopped part-way goes to the error file with that
+usage; `batch.usage` adds up the same numbers. With a `BatchBudget` the collector
+settles each finished request's quota from its terminal delta, as the gateway does for
+its own requests, before the line leaves the batch's in-flight estimate.
 """
 
 from __future__ import annotations
@@ -22,18 +29,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from api.errors import RequestCancelled
+from api.errors import APIError, RequestCancelled
 from api.generation import Generation, Track, accept
 from api.served import ServedModel
+from billing.batch_budget import BatchBudget
 from billing.batch_store import BatchInfo, BatchStore, LineInfo, LineOutcome
 from billing.errors import StoreUnavailable
 from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from bus.codec import decode_as
 from bus.errors import BusError
-from bus.messages import TokenDelta, TokenDeltaBatch
+from bus.messages import FinishReason, TokenDelta, TokenDeltaBatch, Usage
 from bus.topics import reply_topic
 from consumers.batches.lines import (
     BATCH_REPLY_TARGET,
+    LineStopped,
     answer_body,
     line_call_id,
     line_request_id,
@@ -41,9 +50,16 @@ from consumers.batches.lines import (
     parse_request_id,
     refused_line,
     run_error,
+    stopped_line,
     unrun_line,
+    usage_object,
 )
-from consumers.batches.runner import CANCELLED_MESSAGE, EXPIRED_MESSAGE
+from consumers.batches.runner import (
+    CANCELLED_MESSAGE,
+    EXPIRED_MESSAGE,
+    STOPPED_CANCELLED_MESSAGE,
+    STOPPED_EXPIRED_MESSAGE,
+)
 from tracing.metrics import ACTIVE_BATCH_STATUSES, count_batch_lines, set_batch_counts
 
 logger = logging.getLogger(__name__)
@@ -65,6 +81,8 @@ class _Line:
     tracks: list[Track]
     generation: Generation
     first_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    # per sub-request: its terminal delta (attempt, usage): what the request consumed
+    ends: dict[int, tuple[int, Usage | None]] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -88,11 +106,13 @@ class BatchCollector:
         models: Sequence[ServedModel],
         on_batch_done: Callable[[str], None],
         *,
+        budget: BatchBudget | None = None,
         poll_timeout_s: float = 0.2,
         flush_interval_s: float = 0.2,
     ) -> None:
         self.bus = bus
         self.store = store
+        self.budget = budget
         self.models = {m.name: m for m in models}
         self.on_batch_done = on_batch_done
         self.poll_timeout_s = poll_timeout_s
@@ -184,6 +204,8 @@ class BatchCollector:
             track = line.tracks[index]
             if track.done or not accept(track, delta):
                 continue
+            if delta.finish_reason is not None:
+                line.ends[index] = (delta.attempt, delta.usage)
             line.generation.take(track, delta)
             if line.done:
                 del self._lines[(batch_id, line_no)]
@@ -210,47 +232,76 @@ class BatchCollector:
     def _outcome(self, line: _Line) -> LineOutcome:
         info = line.info
         results = line.generation.results()
-        completion = sum(t.num_tokens for t in line.tracks)
-        cached = sum(t.cached_tokens for t in line.tracks)
-        used = {"prompt_tokens": info.prompt_tokens, "cached_tokens": cached}
-        used["completion_tokens"] = completion
+        used = self._used(line)
+        counts = {
+            "prompt_tokens": used.prompt_tokens,
+            "cached_tokens": used.cached_tokens,
+            "completion_tokens": used.completion_tokens,
+        }
         request_id = line.tracks[0].request_id
-        finishes = {r.finish_reason for r in results}
-        if "abort" in finishes or "deadline" in finishes:
-            batch = self._batch(info.batch_id, fresh=True)
-            if "deadline" in finishes or (batch is not None and batch.expired_at is not None):
-                result = unrun_line(info.custom_id, "batch_expired", EXPIRED_MESSAGE)
-                return LineOutcome(info.line, False, result, **used)
-            if batch is not None and batch.status == "cancelling":
-                result = unrun_line(info.custom_id, "batch_cancelled", CANCELLED_MESSAGE)
-                return LineOutcome(info.line, False, result, **used)
-            return LineOutcome(
-                info.line,
-                False,
-                refused_line(info.custom_id, request_id, RequestCancelled()),
-                **used,
-            )
-        error = run_error(results)
-        if error is not None:
-            return LineOutcome(
-                info.line, False, refused_line(info.custom_id, request_id, error), **used
-            )
-        body = json.loads(info.body)
         batch = self._batch(info.batch_id)
         endpoint = batch.endpoint if batch is not None else "/v1/chat/completions"
+        ran = used.prompt_tokens + used.completion_tokens > 0
+        finishes = {r.finish_reason for r in results}
+        error: APIError | None = run_error(results)
+        if "abort" in finishes or "deadline" in finishes:
+            error = self._stopped_by_batch(info.batch_id, finishes) or RequestCancelled()
+            if isinstance(error, LineStopped) and not ran:
+                message = EXPIRED_MESSAGE if error.code == "batch_expired" else CANCELLED_MESSAGE
+                result = unrun_line(info.custom_id, str(error.code), message)
+                return LineOutcome(info.line, False, result)
+        if error is not None:
+            usage = usage_object(endpoint, **counts) if ran else None
+            if isinstance(error, LineStopped) and usage is not None:
+                result = stopped_line(info.custom_id, request_id, error, usage)
+            else:
+                result = refused_line(info.custom_id, request_id, error, usage)
+            return LineOutcome(info.line, False, result, **counts)
+        body = json.loads(info.body)
         answer = answer_body(
             endpoint,
             body,
             self.models[body["model"]],
             line_call_id(info.batch_id, info.line),
             results,
-            info.prompt_tokens,
-            cached,
+            used.prompt_tokens,
+            used.cached_tokens,
             line.generation.created,
+            used.completion_tokens,
         )
         return LineOutcome(
-            info.line, True, output_line(info.custom_id, request_id, 200, answer), **used
+            info.line, True, output_line(info.custom_id, request_id, 200, answer), **counts
         )
+
+    def _stopped_by_batch(
+        self, batch_id: str, finishes: set[FinishReason | None]
+    ) -> LineStopped | None:
+        """The batch's expiry or cancel, if that is what aborted the line."""
+        batch = self._batch(batch_id, fresh=True)
+        if "deadline" in finishes or (batch is not None and batch.expired_at is not None):
+            return LineStopped("batch_expired", STOPPED_EXPIRED_MESSAGE)
+        if batch is not None and batch.status == "cancelling":
+            return LineStopped("batch_cancelled", STOPPED_CANCELLED_MESSAGE)
+        return None
+
+    @staticmethod
+    def _used(line: _Line) -> Usage:
+        """What the line's requests consumed: the sum of their terminal deltas' usage (a
+        terminal delta without usage counts what it delivered, and the prompt once)."""
+        prompt = cached = completion = 0
+        for track in line.tracks:
+            _, usage = line.ends.get(track.index, (0, None))
+            if usage is None:
+                billed = track.index == 0 and track.num_tokens > 0
+                usage = Usage(
+                    prompt_tokens=line.info.prompt_tokens if billed else 0,
+                    cached_tokens=track.cached_tokens,
+                    completion_tokens=track.num_tokens,
+                )
+            prompt += usage.prompt_tokens
+            cached += usage.cached_tokens
+            completion += usage.completion_tokens
+        return Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
 
     def _batch(self, batch_id: str, *, fresh: bool = False) -> BatchInfo | None:
         """The batch, read at most once per flush; `fresh` reads its status again (a
@@ -267,6 +318,8 @@ class BatchCollector:
         by_batch: dict[str, list[LineOutcome]] = {}
         for line, outcome in self._finished:
             by_batch.setdefault(line.info.batch_id, []).append(outcome)
+        if self.budget is not None:
+            self._settle([line for line, _ in self._finished])
         for batch_id, outcomes in by_batch.items():
             stored = self.store.finish_lines(batch_id, outcomes)
             self.lines_stored += stored
@@ -279,11 +332,27 @@ class BatchCollector:
         self._finished.clear()
         for batch_id in by_batch:
             self._batches.pop(batch_id, None)
-            if self.store.unfinished(batch_id) == 0:
+            # nothing of the batch in flight: it is done, or its lines still pending wait
+            # for the budget its finished lines gave back (finalize dispatches them)
+            if self.store.line_states(batch_id).get("queued", 0) == 0:
                 try:
                     self.on_batch_done(batch_id)
                 except Exception:  # the sweep finalizes it later
                     logger.exception("finalizing batch %s could not be started", batch_id)
+
+    def _settle(self, lines: list[_Line]) -> None:
+        """Each request's quota from its terminal delta (attempt 0's; a resumed request's
+        attempts are settled by the quotas consumer from their usage records)."""
+        assert self.budget is not None
+        for line in lines:
+            batch = self._batch(line.info.batch_id)
+            if batch is None:
+                continue
+            model = json.loads(line.info.body).get("model", "")
+            for track in line.tracks:
+                attempt, usage = line.ends.get(track.index, (-1, None))
+                if attempt == 0 and usage is not None:
+                    self.budget.settle(batch.tenant_id, track.request_id, str(model), usage)
 
     def _count_batches(self, now: float, interval_s: float = 5.0) -> None:
         """Refresh `sluice_batches{status}` at most every `interval_s` (one query)."""

@@ -3,7 +3,11 @@
 The formats are OpenAI's Batch API's: an input line is `{"custom_id", "method": "POST",
 "url", "body"}`; an output line is `{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error": null}` where `body` is the object the endpoint itself
-returns; a line that could not run has `"response": null` and an `error`.
+returns; a line that could not run has `"response": null` and an `error`. A line that
+ran and then failed (an engine error, or stopped part-way by the batch's cancel or
+expiry) has the endpoint's error object as its response body, with the `usage` it
+consumed beside it (a stopped line keeps the `error` of an unrun one too): the usage in
+the output and error files adds up to the batch's.
 
 Structural faults (bad JSON, a missing or duplicate `custom_id`, a wrong `method` or
 `url`, an unknown model) fail the whole batch at validation with their line numbers, as
@@ -27,7 +31,7 @@ from pydantic import ValidationError
 
 from api.auth import Principal
 from api.deps import Gateway
-from api.errors import APIError, InvalidRequest, error_for_finish
+from api.errors import APIError, InvalidRequest, RequestCancelled, error_for_finish
 from api.formatting import ChatFormat, CompletionFormat, usage
 from api.generation import ChoiceResult
 from api.prepare import Call, lane_for
@@ -239,9 +243,54 @@ def unrun_line(custom_id: str, code: str, message: str) -> str:
     return _jsonl(obj)
 
 
-def refused_line(custom_id: str, request_id: str, error: APIError) -> str:
-    """A line whose body the endpoint refused, or whose run ended in an error."""
-    return output_line(custom_id, request_id, error.status_code, error.body())
+def refused_line(
+    custom_id: str, request_id: str, error: APIError, usage: dict[str, Any] | None = None
+) -> str:
+    """A line whose body the endpoint refused, or whose run ended in an error; `usage`
+    (the endpoint's usage object) what it consumed before it stopped, next to the error."""
+    body = error.body()
+    if usage is not None:
+        body["usage"] = usage
+    return output_line(custom_id, request_id, error.status_code, body)
+
+
+class LineStopped(RequestCancelled):
+    """A line the batch's cancel or expiry stopped part-way (code `batch_cancelled` or
+    `batch_expired`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def stopped_line(custom_id: str, request_id: str, error: LineStopped, usage: dict[str, Any]) -> str:
+    """The error line of a line the batch's cancel or expiry stopped after it ran: the
+    `error` of a line that did not run (same code), and a response with the `usage` it
+    consumed."""
+    body = error.body()
+    body["usage"] = usage
+    obj = {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": error.status_code, "request_id": request_id, "body": body},
+        "error": {"code": error.code, "message": error.message},
+    }
+    return _jsonl(obj)
+
+
+def usage_object(
+    endpoint: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """The endpoint's own usage object for these counts."""
+    if endpoint == "/v1/responses":
+        return {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+    return usage(prompt_tokens, completion_tokens, cached_tokens)
 
 
 def answer_body(
@@ -253,10 +302,13 @@ def answer_body(
     prompt_tokens: int,
     cached_tokens: int,
     created: int,
+    completion_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The object the endpoint returns for these finished choices (no errors among them)."""
+    """The object the endpoint returns for these finished choices (no errors among them);
+    `completion_tokens` defaults to the tokens of the choices."""
     parsed = validate_body(endpoint, body)
-    completion_tokens = sum(len(r.token_ids) for r in results)
+    if completion_tokens is None:
+        completion_tokens = sum(len(r.token_ids) for r in results)
     tier = lane_for(parsed.service_tier)[1]  # as the endpoint reports it
     if isinstance(parsed, ResponsesRequest):
         fmt = ResponsesFormat(call_id, parsed, tier, prompt_tokens)

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from api.auth import Principal
 from api.deps import Gateway
@@ -27,10 +27,12 @@ from api.errors import APIError
 from api.prepare import RequestLimits
 from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
+from api.tenancy import denial
+from billing.batch_budget import BatchBudget
 from billing.batch_store import BatchInfo, BatchStore, LineOutcome, NewLine, now_s
 from bus.base import Delivered, EventBus
 from bus.codec import encode
-from bus.messages import Cancel
+from bus.messages import Cancel, GenerateRequest
 from bus.topics import CONTROL_TOPIC, Lane, request_topic
 from consumers.batches.lines import (
     BATCH_REPLY_TARGET,
@@ -49,6 +51,14 @@ logger = logging.getLogger(__name__)
 
 CANCELLED_MESSAGE = "This request was not run: the batch was cancelled."
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+STOPPED_CANCELLED_MESSAGE = (
+    "This request was stopped part-way: the batch was cancelled. Its usage is what it "
+    "consumed before it stopped."
+)
+STOPPED_EXPIRED_MESSAGE = (
+    "This request was stopped part-way: the completion window expired. Its usage is what "
+    "it consumed before it stopped."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,31 @@ class StepLease:
         self.store.release(self.batch_id, self.owner)
 
 
+class BudgetGate:
+    """One dispatch's budget checks for a tenant with a monthly budget: a line is
+    published when its cost estimate fits beside the tenant's batch lines in flight;
+    it waits (stays pending) while lines in flight may still give budget back, and is
+    refused (`insufficient_quota`, costing 0) when nothing is in flight and it does
+    not fit (billing/batch_budget.py)."""
+
+    def __init__(self, budget: BatchBudget, store: BatchStore, batch: BatchInfo, limit: int):
+        self.budget = budget
+        self.tenant_id = batch.tenant_id
+        self.limit = limit
+        queued = store.queued_tokens(batch.tenant_id)
+        self.in_flight_micros = budget.cost_micros(batch.model or "", queued)
+
+    def admit(self, model: str, tokens: int) -> Literal["publish", "wait"] | APIError:
+        cost = self.budget.cost_micros(model, tokens)
+        decision = self.budget.check(self.tenant_id, self.limit, self.in_flight_micros + cost)
+        if decision.allowed:
+            self.in_flight_micros += cost
+            return "publish"
+        if decision.reason == "budget" and self.in_flight_micros == 0:
+            return denial(decision)
+        return "wait"
+
+
 class BatchRunner:
     """The steps of every batch, on one store, bus and set of served models."""
 
@@ -93,10 +128,12 @@ class BatchRunner:
         models: Sequence[ServedModel],
         limits: RequestLimits,
         config: BatchConfig,
+        budget: BatchBudget | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.config = config
+        self.budget = budget  # None: no tenant store, no budgets
         self.models = list(models)
         # the routes' builders read the reply target from the gateway's service: batch
         # lines answer to the batches collector (never started here: it only names it)
@@ -228,6 +265,9 @@ class BatchRunner:
 
         At least once: a crash between the two publishes a chunk again, and the
         duplicate is absorbed (the ledger and the collector key on request and attempt).
+        For a tenant with a monthly budget each line first passes its `BudgetGate`: the
+        dispatch stops at a line that must wait, and a later one (the sweep's, or
+        finalize's once nothing is in flight) goes on from there.
         Under `lease` (validate's), else under a lease of its own: none while another
         step dispatches the batch.
         """
@@ -245,13 +285,15 @@ class BatchRunner:
         if batch is None or batch.status != "in_progress":
             return 0
         principal = Principal(tenant_id=batch.tenant_id, key_id=batch.key_id)
+        gate = self._gate(batch)
         published = 0
         for chunk in self.store.lines(
             batch_id, states=["pending"], chunk=self.config.publish_chunk
         ):
             futures: list[Future[Delivered]] = []
             lines: list[int] = []
-            topic = request_topic(Lane.BATCH)
+            refused: list[LineOutcome] = []
+            waiting = False
             for info in chunk:
                 ready = prepared.pop(info.line, None)
                 if ready is None:
@@ -259,22 +301,24 @@ class BatchRunner:
                         batch, principal, info.line, info.custom_id, json.loads(info.body)
                     )
                 requests = ready.call.requests
-                # each line's trace starts at its send span (nothing when tracing is off)
-                send = SendSpan(
-                    topic, batch.tenant_id, requests[0].request_id, len(requests), batch_id
-                )
-                headers = send.headers()
-                sent = [
-                    self.bus.publish(topic, encode(r), key=r.tenant_id.encode(), headers=headers)
-                    for r in requests
-                ]
-                send.end_when_sent(sent)
-                futures += sent
+                verdict = "publish" if gate is None else gate.admit(requests[0].model, info.tokens)
+                if isinstance(verdict, APIError):
+                    result = refused_line(info.custom_id, requests[0].request_id, verdict)
+                    refused.append(LineOutcome(info.line, False, result))
+                    continue
+                if verdict == "wait":
+                    waiting = True
+                    break
+                futures += self._publish(batch, requests)
                 lines.append(info.line)
             for future in futures:
                 future.result(self.config.publish_timeout_s)
             self.store.mark_queued(batch_id, lines)
+            self.store.finish_lines(batch_id, refused)
             published += len(lines)
+            if waiting:
+                logger.info("batch %s: lines wait for the tenant's budget", batch_id)
+                break
             now = self.store.get_batch(batch_id)
             if now is None or now.status != "in_progress":
                 break  # cancelled or expired meanwhile: its other lines are not sent
@@ -285,6 +329,27 @@ class BatchRunner:
         if self.store.unfinished(batch_id) == 0:
             self.finalize(batch_id)
         return published
+
+    def _gate(self, batch: BatchInfo) -> BudgetGate | None:
+        if self.budget is None:
+            return None
+        limit = self.budget.budget_of(batch.tenant_id)
+        return None if limit is None else BudgetGate(self.budget, self.store, batch, limit)
+
+    def _publish(
+        self, batch: BatchInfo, requests: list[GenerateRequest]
+    ) -> list[Future[Delivered]]:
+        """A line's records on the batch lane; its trace starts at its send span
+        (nothing when tracing is off)."""
+        topic = request_topic(Lane.BATCH)
+        send = SendSpan(topic, batch.tenant_id, requests[0].request_id, len(requests), batch.id)
+        headers = send.headers()
+        sent = [
+            self.bus.publish(topic, encode(r), key=r.tenant_id.encode(), headers=headers)
+            for r in requests
+        ]
+        send.end_when_sent(sent)
+        return sent
 
     # -- finalize ------------------------------------------------------------------
     def finalize(self, batch_id: str, *, force: bool = False) -> bool:
@@ -298,6 +363,9 @@ class BatchRunner:
             if batch.expires_at <= now:
                 return self.expire(batch_id)
             if self.store.unfinished(batch_id):
+                states = self.store.line_states(batch_id)
+                if states.get("pending") and not states.get("queued"):
+                    self.dispatch(batch_id)  # lines the budget held back until now
                 return False
             self.store.move(batch_id, ["in_progress"], "finalizing")
             batch = self.store.get_batch(batch_id)

@@ -132,7 +132,9 @@ class InProcessBatches:
         # joined: lines published before the engine worker's group exists could be
         # trimmed, so no step runs until this process's engine worker is ready
         self._engine_ready = engine_ready
-        self.collector = BatchCollector(runner.bus, runner.store, runner.models, self.batch_done)
+        self.collector = BatchCollector(
+            runner.bus, runner.store, runner.models, self.batch_done, budget=runner.budget
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sluice-batch-task")
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []

@@ -474,3 +474,45 @@ def test_the_document_describes_what_the_routes_answer(
     batch = create_batch(sdk, file.id)
     DocumentedBatch.model_validate(http.get(f"/v1/batches/{batch.id}").json())
     BatchList.model_validate(http.get("/v1/batches").json())
+
+
+def test_create_batch_is_refused_once_the_monthly_budget_is_spent(
+    tmp_path: Path, memory_bus: MemoryEventBus
+) -> None:
+    """Issue 33: a tenant refused `insufficient_quota` everywhere else ran a batch to
+    11.8x its budget. Creating one is a 429 insufficient_quota now, as OpenAI answers
+    any request of an account out of quota; nothing is stored or started."""
+    from billing import admin
+    from billing.admission import AdmissionService
+    from billing.keys import KeyAuthenticator as TenantKeys
+    from billing.prices import PriceBook, PriceCache
+    from billing.quota_memory import MemoryQuotaStore
+    from billing.quotas import Settlement
+
+    db = Database.connect(embedded_url(tmp_path / "tenancy"), migrate_if_needed=True)
+    tenant = admin.create_tenant(db, "acme", monthly_budget_usd="0.0001")  # 100 micro-dollars
+    quotas = MemoryQuotaStore()
+    admission = AdmissionService(TenantKeys(db), quotas, PriceCache(PriceBook(db)))
+    control = RecordingControl(BatchStore(db), LIMITS)
+    app = create_app(
+        gateway_settings(), memory_bus, [served_model("tiny")], admission=admission,
+        batches=control,
+    )  # fmt: skip
+    with TestClient(app) as http:
+        sdk = _sdk(http, str(tenant["api_key"]))
+        file = upload(sdk, jsonl(1))
+        ok = sdk.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert ok.status == "validating"
+        quotas.settle(Settlement(str(tenant["tenant_id"]), "req_spent", 0, 100, 100))
+        with pytest.raises(openai.RateLimitError) as refused:
+            sdk.batches.create(
+                input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+    error = refused.value
+    assert error.status_code == 429 and error.code == "insufficient_quota"
+    assert error.response.headers["x-should-retry"] == "false"
+    assert [b.id for b in control.submitted_batches] == [ok.id]
+    assert [b.id for b in control.store.list_batches(str(tenant["tenant_id"]))] == [ok.id]
+    db.close()
