@@ -439,6 +439,40 @@ class GatewaySettings(Settings):
         ge=1,
         description="open connections beyond this get 503 (keep it under `ulimit -n`)",
     )
+    max_connections_per_peer: int = Field(
+        default=512,
+        ge=0,
+        description="open connections from one peer address beyond this get 503 (0: no"
+        " cap); behind a reverse proxy every client shares its address: raise it or use 0",
+    )
+    send_buffer_bytes: int = Field(
+        default=64 * 1024,
+        ge=4096,
+        description="response bytes held for a client beyond its socket before the"
+        " response waits for it to read",
+    )
+    send_stall_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a connection whose full send buffer drains not at all for this long"
+        " (the client stopped reading) is closed, its stream cancelled",
+    )
+    ws_max_streams: int = Field(
+        default=64,
+        ge=1,
+        description="a WebSocket connection's stream_ids with work queued or running;"
+        " a response.create for another one gets an error event",
+    )
+    max_messages: int = Field(
+        default=4096,
+        ge=1,
+        description="most messages (chat) or input items (responses) in one request; more is 400",
+    )
+    max_content_parts: int = Field(
+        default=512,
+        ge=1,
+        description="most content parts in one message; more is 400",
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="deadline when a request sends no x-sluice-timeout-ms"
     )
