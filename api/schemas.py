@@ -11,13 +11,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
 
 
 # Seeds travel as signed 64-bit integers (what torch.Generator and the wire take).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+# Token ids are JSON integers: pydantic would take `true` as 1 and `2.0` as 2.
+TokenIds = list[StrictInt]
 
 
 class _Body(BaseModel):
@@ -64,8 +75,9 @@ class RequestBody(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    include_obfuscation: bool | None = None
+    # strict: pydantic would read "yes", "off" or 0 as booleans
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
 
 
 class _Sampling(RequestBody):
@@ -75,10 +87,11 @@ class _Sampling(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's; only 0 is served
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stream: bool = False
@@ -92,6 +105,7 @@ class _Sampling(RequestBody):
     store: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's; not served
 
 
 class ChatMessage(_Body):
@@ -114,7 +128,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
@@ -122,6 +136,28 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     # vLLM's extension: each choice (and each streamed chunk's) carries its `token_ids`
     return_token_ids: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One message naming `prompt`, instead of one error per member of the union."""
+        if isinstance(value, str) or (
+            isinstance(value, list)
+            and (
+                all(isinstance(p, str) for p in value)
+                or _token_ids(value)
+                or all(_token_ids(p) for p in value)
+            )
+        ):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids (integers), "
+            "or a list of token id lists"
+        )
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)  # bool is an int
 
 
 class ResponseInputText(_Body):
@@ -161,3 +197,12 @@ class ResponsesRequest(RequestBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     stream_id: str | None = None  # WebSocket mode: the lane the events carry back
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(
+        cls, value: str | list[ResponseInputMessage]
+    ) -> str | list[ResponseInputMessage]:
+        if isinstance(value, list) and not value:
+            raise ValueError("must hold at least one message")
+        return value
