@@ -24,9 +24,11 @@ APIError                         root; carries status, type, code, param, header
 ├── RequestCancelled             503 server_error / request_cancelled (x-should-retry: false)
 └── DeadlineExceeded             504 timeout_error / deadline_exceeded (x-should-retry: false)
 
-429s carry `retry-after` and the `x-ratelimit-*` headers of the admission decision. A
-rate limit (requests, tokens, concurrency) resets soon, so the SDK may retry it; an
-exhausted monthly budget does not, so `x-should-retry: false` stops the SDK's retries.
+429s carry the `x-ratelimit-*` headers of the admission decision. A rate limit
+(requests, tokens, concurrency) resets soon, so the SDK may retry it after `retry-after`;
+an exhausted monthly budget does not, so it has no `retry-after` and
+`x-should-retry: false` stops the SDK's retries. A call larger than a limit allows at all
+is a 400: no wait would let it in.
 `billing.errors` map here too: InvalidInput 400, NotFound 404, Conflict 409,
 AuthenticationFailed 401, StoreUnavailable 503.
 

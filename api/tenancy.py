@@ -10,11 +10,13 @@ The gateway's adapter over `billing.admission.AdmissionService` (docs/architectu
 - `GatewayAdmission.submit`: every sub-request of a call (n choices, several prompts)
   is admitted against the tenant's limits BEFORE anything is published: requests per
   minute, tokens per minute (prompt + max_tokens reserved), concurrency, monthly
-  budget. A denial is 429 (`RateLimited`, or `QuotaExceeded` for the budget) or 503
-  (`QuotaUnavailable`: Redis down for a budgeted tenant); the sub-requests already
-  admitted are released. The decision's `x-ratelimit-*` headers are put on the
-  connection's scope state, and `GatewayMiddleware` adds them to every response of the
-  call (the initial response of a stream, errors after admission too).
+  budget. A denial is 429 (`RateLimited`, or `QuotaExceeded` for the budget, which wins
+  over any rate limit denied with it) or 503 (`QuotaUnavailable`: Redis down for a
+  budgeted tenant); the sub-requests already admitted are released. A call that no wait
+  can admit (more sub-requests than `max_concurrency`, more tokens than `tpm`) is a 400.
+  The decision's `x-ratelimit-*` headers are put on the connection's scope state, and
+  `GatewayMiddleware` adds them to every response of the call (the initial response of
+  a stream, errors after admission too).
 - Settlement: the reply consumer calls `settle` for the first terminal delta of every
   admitted sub-request, also after the client went away (the engine answers a Cancel
   with an abort delta carrying its usage) or the deadline passed; it frees the
@@ -40,6 +42,7 @@ from api.auth import Principal, StaticKeyAuthenticator
 from api.errors import (
     APIError,
     AuthenticationFailed,
+    InvalidRequest,
     QuotaExceeded,
     QuotaUnavailable,
     RateLimited,
@@ -50,7 +53,7 @@ from api.service import GatewayService
 from billing import admin
 from billing import errors as billing_errors
 from billing.admission import AdmissionService
-from billing.quotas import Decision
+from billing.quotas import Decision, unfit
 from bus.messages import GenerateRequest, TokenDelta
 from tracing.metrics import count_admission
 
@@ -118,8 +121,9 @@ class TenantAuthenticator:
 def denial(decision: Decision) -> APIError:
     """The HTTP error for a denied admission, with its headers."""
     headers = decision.headers()
-    headers["retry-after-ms"] = str(max(1000, int(decision.retry_after_s * 1000)))
     reason = decision.reason
+    if reason != "budget":  # a budget is not retried (see `Decision.headers`)
+        headers["retry-after-ms"] = str(max(1000, int(decision.retry_after_s * 1000)))
     if reason == "budget":
         return QuotaExceeded(
             "You exceeded your monthly budget; it resets at the start of next month (UTC). "
@@ -134,6 +138,29 @@ def denial(decision: Decision) -> APIError:
     limit = _LIMIT_NAMES.get(reason or "", "rate limit")
     return RateLimited(
         f"Rate limit reached on {limit}. Retry after {headers['retry-after']}s.", headers
+    )
+
+
+def check_fits(principal: Principal, requests: Sequence[GenerateRequest]) -> None:
+    """A 400, not a 429 retried for ever, for a call larger than the tenant's plan allows."""
+    assert principal.limits is not None
+    tokens = [len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests]
+    found = unfit(principal.limits, tokens)
+    if found is None:
+        return
+    count_admission("rejected", f"exceeds_{found.reason}", len(requests))
+    if found.reason == "concurrency":
+        raise InvalidRequest(
+            f"this call needs {found.requested} concurrent requests (one per prompt and "
+            f"choice), more than this tenant's limit of {found.limit} (max_concurrency): "
+            "send fewer prompts or a lower n",
+            code="exceeds_plan_limit",
+        )
+    raise InvalidRequest(
+        f"this call reserves {found.requested} tokens (prompt + max_tokens of each prompt "
+        f"and choice), more than this tenant's limit of {found.limit} tokens per minute "
+        "(tpm): lower max_tokens, or send fewer prompts or a lower n",
+        code="exceeds_plan_limit",
     )
 
 
@@ -153,6 +180,7 @@ class GatewayAdmission:
         if principal.limits is None:
             count_admission("admitted", "unlimited", len(requests))
             return await self.service.submit(requests, deadline_ms)
+        check_fits(principal, requests)
         headers = await asyncio.to_thread(self._admit_all, principal, requests)
         conn.scope.setdefault("state", {})[RATELIMIT_STATE] = headers
         try:

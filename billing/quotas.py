@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -84,7 +85,11 @@ class Decision:
     degraded: bool = False  # decided by the local fallback: Redis is unreachable
 
     def headers(self) -> dict[str, str]:
-        """OpenAI's header names; a dimension without a limit sends no headers."""
+        """OpenAI's header names; a dimension without a limit sends no headers.
+
+        A spent budget sends no `retry-after`: it resets next month, so the client should
+        not retry (`x-should-retry: false`), and days in seconds help no one.
+        """
         out: dict[str, str] = {}
         for kind, limit, remaining, reset in (
             ("requests", self.limit_requests, self.remaining_requests, self.reset_requests_s),
@@ -95,7 +100,7 @@ class Decision:
             out[f"x-ratelimit-limit-{kind}"] = str(limit)
             out[f"x-ratelimit-remaining-{kind}"] = str(max(remaining or 0, 0))
             out[f"x-ratelimit-reset-{kind}"] = format_duration(reset or 0.0)
-        if not self.allowed:
+        if not self.allowed and self.reason != "budget":
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
         return out
 
@@ -110,6 +115,29 @@ class QuotaStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Unfit:
+    """A call no wait can admit: it asks more of one limit than the limit holds."""
+
+    reason: DenyReason  # "concurrency" or "tokens"
+    limit: int
+    requested: int
+
+
+def unfit(limits: PlanLimits, tokens: Sequence[int]) -> Unfit | None:
+    """The limit a call exceeds on its own, if any; `tokens`: each sub-request's reservation.
+
+    The sub-requests of a call are admitted together, each holding a concurrency slot and
+    reserving its tokens in the same minute: more of them than `max_concurrency`, or more
+    tokens than `tpm`, never fit, and a 429 would be retried for ever.
+    """
+    if limits.max_concurrency is not None and len(tokens) > limits.max_concurrency:
+        return Unfit("concurrency", limits.max_concurrency, len(tokens))
+    if limits.tpm is not None and sum(tokens) > limits.tpm:
+        return Unfit("tokens", limits.tpm, sum(tokens))
+    return None
 
 
 def release(store: QuotaStore, tenant_id: str, request_id: str, attempt: int) -> bool:
@@ -165,10 +193,13 @@ def decision_from(
     elif limits.rpm == 0:
         remaining_requests, reset_requests_s = 0, WINDOW_MS / 1000
     remaining_tokens = None if limits.tpm is None else max(0, limits.tpm - used_tokens)
+    # a spent budget outranks every rate limit: retrying after a rate limit's wait would
+    # only meet the budget again
+    budget = [d for d in denials if d[0] == "budget"]
     return Decision(
         allowed=not denials,
-        reason=denials[0][0] if denials else None,
-        retry_after_s=max((ms for _, ms in denials), default=0) / 1000,
+        reason=(budget or denials)[0][0] if denials else None,
+        retry_after_s=max((ms for _, ms in budget or denials), default=0) / 1000,
         limit_requests=limits.rpm,
         remaining_requests=remaining_requests,
         reset_requests_s=reset_requests_s,

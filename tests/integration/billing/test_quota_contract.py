@@ -174,3 +174,21 @@ def test_unlimited_tenants_get_no_ratelimit_headers(make_store: Make) -> None:
     assert decision.allowed and decision.headers() == {}
     zero = store.admit(PlanLimits(rpm=0), res("b"))
     assert (zero.allowed, zero.reason) == (False, "requests")
+
+
+def test_a_spent_budget_outranks_a_rate_limit_denied_with_it(make_store: Make) -> None:
+    """Concurrency and budget both full: the answer is the budget (not retried), without a
+    retry-after of the weeks left in the month."""
+    clock = FakeClock()
+    store = make_store(clock)
+    limits = PlanLimits(rpm=60, max_concurrency=1, monthly_budget_micros=1000)
+    assert store.admit(limits, res("a", cost=1000)).allowed
+    both = store.admit(limits, res("b", cost=1))
+    assert (both.allowed, both.reason) == (False, "budget")
+    assert both.retry_after_s == pytest.approx(31 * 86400 - 10)  # the budget resets then
+    assert "retry-after" not in both.headers()
+    assert both.headers()["x-ratelimit-limit-requests"] == "60"
+    assert store.settle(settle("a", tokens=10, cost=0))  # budget free again
+    assert store.admit(limits, res("c", cost=1)).allowed
+    rate_only = store.admit(limits, res("d", cost=1))
+    assert (rate_only.reason, rate_only.headers()["retry-after"]) == ("concurrency", "1")

@@ -8,7 +8,7 @@ import pytest
 
 from billing.errors import InvalidInput
 from billing.prices import Price, parse_discount, picos_to_micros_ceil, picos_to_usd
-from billing.quotas import Decision, format_duration, ms_to_next_month, scaled
+from billing.quotas import Decision, Unfit, format_duration, ms_to_next_month, scaled, unfit
 from billing.reports import format_usd
 from billing.tenants import PlanLimits
 
@@ -40,7 +40,16 @@ def test_reset_durations_in_openai_format() -> None:
     assert format_duration(1.5) == "1.5s"
     assert format_duration(60) == "1m0s"
     assert format_duration(360) == "6m0s"
-    assert Decision(False, "budget", 0.2).headers() == {"retry-after": "1"}
+    assert Decision(False, "tokens", 0.2).headers() == {"retry-after": "1"}
+    assert Decision(False, "budget", 2_346_932).headers() == {}  # not retried: no wait
+
+
+def test_a_call_larger_than_the_plan_can_never_fit() -> None:
+    plan = PlanLimits(tpm=1000, max_concurrency=16)
+    assert unfit(plan, [10] * 16) is None
+    assert unfit(plan, [10] * 17) == Unfit("concurrency", 16, 17)
+    assert unfit(plan, [500, 501]) == Unfit("tokens", 1000, 1001)
+    assert unfit(PlanLimits(rpm=1), [10**9] * 100) is None  # no such limits
 
 
 def test_month_boundary_and_fallback_shares() -> None:
