@@ -99,6 +99,9 @@ def create_app(
         sse_ping_s=settings.sse_ping_s,
         admission=GatewayAdmission(admission, service) if admission is not None else None,
         admin_key=settings.admin_key,
+        ws_max_pending=settings.ws_max_pending,
+        max_messages=settings.max_messages,
+        max_content_parts=settings.max_content_parts,
     )
     app.state.authenticator = authenticator or static
     app.state.ws_allowed_origins = settings.ws_allowed_origins

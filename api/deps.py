@@ -25,6 +25,8 @@ class Gateway:
     """The app's collaborators, stored on `app.state.gateway` by `create_app`.
 
     `admission` is None in static-key mode (no tenant store): nothing is admitted.
+    `ws_max_pending`, `max_messages` and `max_content_parts` are the settings of those
+    names (`sluice.settings.GatewaySettings`).
     """
 
     service: GatewayService
@@ -33,6 +35,10 @@ class Gateway:
     sse_ping_s: float
     admission: GatewayAdmission | None = None
     admin_key: str | None = None
+    # what one hostile request or connection may make the gateway hold or compute
+    ws_max_pending: int = 64
+    max_messages: int = 4096
+    max_content_parts: int = 512
 
     def call(
         self,

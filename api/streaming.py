@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +27,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from api.errors import APIError, error_for_finish
+from api.errors import APIError, AuthenticationFailed, error_for_finish
 from api.generation import ChoiceResult, Generation, StreamEvent
 from api.schemas import invalid_unicode_at
 
@@ -132,7 +134,7 @@ class _Work:
     error: dict[str, Any] | None = None
 
 
-_Lane = asyncio.Queue[_Work]  # the events of one stream_id, in order
+_Lane = deque[_Work]  # the events of one stream_id not yet run, in order
 
 # RFC 6455 close codes
 POLICY_VIOLATION = 1008
@@ -179,17 +181,23 @@ class WsSession:
     """One Responses WebSocket connection: `response.create` in, stream events out.
 
     Each `stream_id` (None included) is a lane whose creates run in order; lanes run
-    side by side. A bad event gets an `error` event and its lane goes on to the next;
-    a binary frame closes the socket (1003). When the socket closes, every running
-    response is cancelled.
+    side by side, and a lane ends (and is forgotten) once it has run what it was sent.
+    A bad event gets an `error` event and its lane goes on to the next; a binary frame
+    closes the socket (1003). At most `max_pending` events wait or run at once, over all
+    lanes: one more gets an `error` event (`too_many_pending_events`) and is dropped, so
+    a connection holds bounded state whatever it sends. A source that raises
+    `AuthenticationFailed` (the key was revoked) gets its `error` event and the socket
+    closes (1008). When the socket closes, every running response is cancelled.
     """
 
-    def __init__(self, websocket: WebSocket, source: EventSource) -> None:
+    def __init__(self, websocket: WebSocket, source: EventSource, max_pending: int = 64) -> None:
         self._ws = websocket
         self._source = source
+        self._max_pending = max_pending
+        self._num_pending = 0  # events queued or running, all lanes together
         self._send_lock = asyncio.Lock()
         self._lanes: dict[str | None, _Lane] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self._request_id = websocket.scope.get("state", {}).get("request_id")
 
     async def send(self, event: dict[str, Any]) -> None:
@@ -212,9 +220,10 @@ class WsSession:
         except WebSocketDisconnect:
             pass
         finally:
-            for task in self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
                 task.cancel()  # each lane's finally cancels its running response
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _dispatch(self, raw: str) -> None:
         try:
@@ -237,28 +246,65 @@ class WsSession:
         elif event.get("type") != "response.create":
             message = f"unsupported event type {event.get('type')!r}; send response.create"
             error = ws_error(400, message, "unsupported_event")
-        queue = self._lanes.get(lane_key)
-        if queue is None:
-            queue = self._lanes[lane_key] = asyncio.Queue()
-            self._tasks.append(asyncio.create_task(self._lane(queue, lane_key)))
+        if self._num_pending >= self._max_pending:
+            message = (
+                f"this connection has {self._max_pending} response.create events waiting or"
+                " running; wait for one to finish before sending another"
+            )
+            error = ws_error(429, message, "too_many_pending_events", None, "rate_limit_error")
+            await self.send(_tagged(error, lane_key))
+            return
+        self._num_pending += 1
         # errors too go through the lane: a client reads its lane's answers in order
-        queue.put_nowait(_Work(event, uuid.uuid4().hex, error))
+        work = _Work(event, uuid.uuid4().hex, error)
+        lane = self._lanes.get(lane_key)
+        if lane is not None:
+            lane.append(work)
+            return
+        lane = self._lanes[lane_key] = deque([work])
+        task = asyncio.create_task(self._lane(lane, lane_key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _lane(self, queue: _Lane, key: str | None) -> None:
-        while True:
-            work = await queue.get()
-            try:
-                if work.error is not None:
-                    await self.send(_tagged(work.error, key))
-                    continue
-                async for out in self._source(work.event, work.call_id):
-                    await self.send(_tagged(out, key))
-            except WebSocketDisconnect:
-                return  # the reader sees the close and cancels the other lanes
-            except Exception as exc:
-                # one event's failure answers that event, never the lane or the socket
-                if not await self._answer_failure(exc, work.call_id, key):
-                    return
+    async def _lane(self, lane: _Lane, key: str | None) -> None:
+        """Run the lane's events in order; end, forgotten, when none is left."""
+        try:
+            while lane:  # no await between this check and the `finally`: nothing is lost
+                work = lane.popleft()
+                try:
+                    if not await self._run(work, key):
+                        return
+                finally:
+                    self._num_pending -= 1
+        finally:
+            del self._lanes[key]
+            self._num_pending -= len(lane)
+
+    async def _run(self, work: _Work, key: str | None) -> bool:
+        """Answer one event; False when the socket is gone or being closed."""
+        try:
+            if work.error is not None:
+                await self.send(_tagged(work.error, key))
+                return True
+            async for out in self._source(work.event, work.call_id):
+                await self.send(_tagged(out, key))
+        except WebSocketDisconnect:
+            return False  # the reader sees the close and cancels the other lanes
+        except AuthenticationFailed as exc:
+            await self._close_unauthenticated(exc, key)
+            return False
+        except Exception as exc:
+            # one event's failure answers that event, never the lane or the socket
+            return await self._answer_failure(exc, work.call_id, key)
+        return True
+
+    async def _close_unauthenticated(self, exc: AuthenticationFailed, key: str | None) -> None:
+        """The key stopped authenticating (revoked): say so, then close the socket."""
+        logger.info("websocket closed request_id=%s: %s", self._request_id, exc.message)
+        error = ws_error(exc.status_code, exc.message, exc.code, exc.param, exc.error_type)
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await self.send(_tagged(error, key))
+            await self._ws.close(POLICY_VIOLATION, _close_reason(exc.message))
 
     async def _answer_failure(self, exc: Exception, call_id: str, key: str | None) -> bool:
         """Log and send an `error` event for a failed event; False if the socket is gone."""
@@ -285,9 +331,14 @@ def _tagged(event: dict[str, Any], stream_id: str | None) -> dict[str, Any]:
 
 
 def ws_error(
-    status: int, message: str, code: str | None, param: str | None = None
+    status: int,
+    message: str,
+    code: str | None,
+    param: str | None = None,
+    error_type: str | None = None,
 ) -> dict[str, Any]:
-    error_type = "invalid_request_error" if status < 500 else "server_error"
+    if error_type is None:
+        error_type = "invalid_request_error" if status < 500 else "server_error"
     return {
         "type": "error",
         "status": status,

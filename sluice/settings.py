@@ -457,11 +457,11 @@ class GatewaySettings(Settings):
         description="a connection whose full send buffer drains not at all for this long"
         " (the client stopped reading) is closed, its stream cancelled",
     )
-    ws_max_streams: int = Field(
+    ws_max_pending: int = Field(
         default=64,
         ge=1,
-        description="a WebSocket connection's stream_ids with work queued or running;"
-        " a response.create for another one gets an error event",
+        description="response.create events waiting or running on one WebSocket"
+        " connection (all stream_ids); one more gets an error event",
     )
     max_messages: int = Field(
         default=4096,

@@ -3,7 +3,9 @@
 The WebSocket mode is OpenAI's (the API reference's Responses WebSocket mode;
 openai-python `resources/responses/responses.py::connect`): `response.create` events in, the
 same events as the SSE stream out, so the official SDK's `client.responses.connect()`
-works unmodified. Closing the socket cancels the responses still running.
+works unmodified. Closing the socket cancels the responses still running. Each
+`response.create` authenticates the handshake's key again (through the authenticator's
+cache, as an HTTP request does), so a revoked key stops a socket opened before it.
 """
 
 from __future__ import annotations
@@ -128,13 +130,15 @@ async def responses_websocket(websocket: WebSocket) -> None:
         await refuse_handshake(websocket, refusal)
         return
     try:
-        principal = await authenticate(websocket)
+        await authenticate(websocket)
     except APIError as exc:
         await refuse_handshake(websocket, exc.message)
         return
     await websocket.accept()
 
     async def source(event: dict[str, Any], cid: str) -> AsyncIterator[dict[str, Any]]:
+        # AuthenticationFailed (revoked) goes up: WsSession answers it and closes
+        principal = await authenticate(websocket)
         payload = {k: v for k, v in event.items() if k not in {"type", "stream"}}
         try:
             body = ResponsesRequest.model_validate(payload)
@@ -157,4 +161,4 @@ async def responses_websocket(websocket: WebSocket) -> None:
         finally:
             generation.abandon("websocket closed")
 
-    await WsSession(websocket, source).run()
+    await WsSession(websocket, source, gw.ws_max_pending).run()
