@@ -15,6 +15,7 @@ store (`gateway` with no SLUICE_DATABASE_URL) the static keys are the only keys.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -24,16 +25,19 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from sluice.cli_common import CONTEXT_SETTINGS, secure_data_dir, settings_or_exit
 from sluice.cli_common import DataDir as DataDir  # re-exported: `bulk` takes it from here
 from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
+
+if TYPE_CHECKING:
+    from billing.db import Database
 
 logger = logging.getLogger(__name__)
 
@@ -158,16 +162,16 @@ def _stored_key(path: Path) -> str:
 
 
 def _announce(
-    settings: GatewaySettings, model_name: str, mode: str, admission: Any | None = None
+    settings: GatewaySettings, model_name: str, mode: str, tenant_db: Database | None = None
 ) -> None:
     url = f"http://{settings.host}:{settings.port}/v1"
     typer.echo(f"sluice {mode}: serving {model_name!r} at {url}")
     if settings.model == TINY_LLAMA:
         typer.echo(TINY_LLAMA_NOTICE)
-    if admission is not None:
+    if tenant_db is not None:
         from billing.admin import has_tenants
 
-        if has_tenants(admission.auth.db):
+        if has_tenants(tenant_db):
             typer.echo("tenant keys only: the tenant store has tenants (sluice tenants list)")
             return
     # stdout once, for the person starting it; never through logging (log files persist)
@@ -263,7 +267,6 @@ def serve(
     thread = threading.Thread(target=worker.run, name="sluice-engine-worker", daemon=True)
     thread.start()
     admission = wiring.open_tenancy(gateway, embedded=True)
-    assert admission is not None
     # the tracing consumer runs only when spans are exported (nothing slowed otherwise)
     exported = configure_process_tracing("sluice")
     consumers = wiring.ConsumerThreads(bus, admission, tracing=exported).start()
@@ -280,7 +283,7 @@ def serve(
     ).start()
     app = wiring.build_gateway_app(gateway, bus, served, admission, batches=batches)
     # the URL and key only once a request would be answered, not while the model loads
-    announce = functools.partial(_announce, gateway, gateway.model_name, "serve", admission)
+    announce = functools.partial(_announce, gateway, gateway.model_name, "serve", admission.auth.db)
     watch = functools.partial(
         _report_startup, app=app, worker=worker, backend=engine, announce=announce
     )
@@ -309,6 +312,7 @@ def gateway(
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
+    secure_data_dir(settings)  # its tenants are the data dir's without SLUICE_DATABASE_URL
     switch_metrics(settings)
     configure_process_tracing("sluice-gateway")
     # a request the gateway answered 503 for (not published in time) is never published
@@ -319,15 +323,14 @@ def gateway(
     served = wiring.served_model(settings)
     batches = wiring.gateway_batches(settings, bus, [served], admission)
     app = wiring.build_gateway_app(settings, bus, served, admission, batches=batches)
-    _announce(settings, settings.model_name, "gateway", admission)
+    _announce(settings, settings.model_name, "gateway", admission.auth.db)
     wiring.freeze_heap()
     try:
         _uvicorn(app, settings)
     finally:
         wiring.stop_batches(batches)
         bus.close()
-        if admission is not None:
-            admission.close()
+        admission.close()
 
 
 @worker_app.command("engine")
@@ -566,7 +569,8 @@ def up(
     # the keys go in the gateway's environment: a command line is readable in `ps`
     gateway_flags = [*model_flags, *_flags(host=settings.host, port=settings.port)]
     gateway_env = {"SLUICE_API_KEYS": ",".join(settings.api_keys)}
-    _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)")
+    with _data_dir_store(settings) as tenant_db:
+        _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)", tenant_db)
     code = run_up(
         gateway_flags,
         model_flags,
@@ -581,6 +585,25 @@ def up(
         engine_drain_timeout_s=settings_or_exit(EngineWorkerSettings).drain_timeout_s,
     )
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _data_dir_store(settings: Settings) -> Iterator[Database | None]:
+    """`up` without SLUICE_DATABASE_URL: the data dir's SQLite, whose tenants the gateway
+    admits against and whose ledger the billing worker writes (`wiring.open_tenancy`,
+    `wiring.billing_store`); migrated here, once, before the two open it at the same time.
+    None with SLUICE_DATABASE_URL (`sluice migrate` is its migration step)."""
+    if settings.database_url is not None:
+        yield None
+        return
+    from billing.db import Database, embedded_url
+
+    secure_data_dir(settings)  # before SQLite creates it with the umask's mode
+    db = Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True)
+    try:
+        yield db
+    finally:
+        db.close()
 
 
 METRICS_TARGETS_FILE = "metrics-targets.json"  # in the data dir: Prometheus' file_sd targets

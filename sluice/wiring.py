@@ -25,7 +25,7 @@ from api.served import ServedModel
 from billing.admission import AdmissionService, open_admission
 from billing.batch_budget import BatchBudget
 from billing.batch_store import BatchStore
-from billing.db import Database
+from billing.db import Database, embedded_url
 from billing.ledger import UsageLedger
 from bus.base import EventBus, TopicPartition, TopicSpec
 from bus.kafka import KafkaConfig, KafkaEventBus
@@ -461,16 +461,20 @@ def build_gateway_app(
     return app
 
 
-def open_tenancy(settings: GatewaySettings, *, embedded: bool) -> AdmissionService | None:
+def open_tenancy(settings: GatewaySettings, *, embedded: bool) -> AdmissionService:
     """The tenant store and quota store the gateway admits against.
 
-    Embedded (`sluice serve`): the data dir's SQLite (migrated on first use; or
-    SLUICE_DATABASE_URL) and the in-process quota store. Distributed (`sluice gateway`):
-    only with SLUICE_DATABASE_URL (else static keys, no admission), quotas in Redis when
+    Tenants: SLUICE_DATABASE_URL, else the data dir's SQLite (migrated on first use), the
+    store `sluice tenants` and the billing worker use too, so `sluice up` and a lone
+    `sluice gateway` never serve with a data dir's tenants ignored. Quotas: in-process
+    when embedded (`sluice serve`); distributed (`sluice gateway`), in Redis when
     SLUICE_REDIS_URL is set (in-process otherwise: per gateway, not shared).
     """
     if not embedded and not settings.database_url:
-        return None
+        logger.warning(
+            "no SLUICE_DATABASE_URL: tenants and keys are %s's, this host's only",
+            embedded_url(settings.data_dir).removeprefix("sqlite:///"),
+        )
     if not embedded and not settings.redis_url:
         logger.warning("no SLUICE_REDIS_URL: quota limits are per gateway process")
     return open_admission(
@@ -614,20 +618,21 @@ def gateway_batches(
     admission: AdmissionService | None,
 ) -> CeleryBatches | InProcessBatches | None:
     """The distributed gateway's `BatchControl`: batch steps go to Celery when a broker is
-    set (`sluice worker batches` runs them); without one this gateway runs them itself,
-    so batches work on a single gateway; without a database there are no batches (503).
+    set and SLUICE_DATABASE_URL names the database `sluice worker batches` shares;
+    otherwise this gateway runs them itself, so batches work on a single gateway.
 
     In-process here never republishes on start: Kafka kept the queued lines and answers.
     """
     if admission is None:
         return None
     db = admission.auth.db
-    if settings.celery_broker:
+    if settings.celery_broker and settings.database_url:
         return CeleryBatches(celery_app(settings), BatchStore(db), batch_limits(settings))
+    # `sluice worker batches` needs SLUICE_DATABASE_URL: on the data dir's SQLite, no worker
     logger.warning(
-        "no Celery broker (SLUICE_CELERY_BROKER_URL or SLUICE_REDIS_URL): this gateway runs "
-        "the batch steps itself; run one such gateway, or set a broker and `sluice worker "
-        "batches`"
+        "no Celery broker (SLUICE_CELERY_BROKER_URL or SLUICE_REDIS_URL) or no "
+        "SLUICE_DATABASE_URL: this gateway runs the batch steps itself; run one such "
+        "gateway, or set both and run `sluice worker batches`"
     )
     return in_process_batches(
         settings, bus, models, db, recover_on_start=False, admission=admission

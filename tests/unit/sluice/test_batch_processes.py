@@ -81,11 +81,20 @@ def test_the_gateway_sends_batch_steps_to_celery_or_runs_them_itself(
     assert wiring.gateway_batches(no_database, bus, models, None) is None  # routes say 503
     admission = open_admission(database_url=None, redis_url=None, data_dir=tmp_path)
     try:
-        with_broker = load_settings(GatewaySettings, celery_broker_url="memory://")
+        with_broker = load_settings(
+            GatewaySettings,
+            celery_broker_url="memory://",
+            database_url="postgresql+psycopg://sluice@db/sluice",
+        )
         celery = wiring.gateway_batches(with_broker, bus, models, admission)
         assert isinstance(celery, CeleryBatches)
         assert celery.store.db is admission.auth.db
         wiring.stop_batches(celery)
+        # `sluice worker batches` needs SLUICE_DATABASE_URL: on SQLite the gateway runs them
+        sqlite = load_settings(GatewaySettings, celery_broker_url="memory://")
+        on_sqlite = wiring.gateway_batches(sqlite, bus, models, admission)
+        assert isinstance(on_sqlite, InProcessBatches)
+        wiring.stop_batches(on_sqlite)
         alone = wiring.gateway_batches(load_settings(GatewaySettings), bus, models, admission)
         assert isinstance(alone, InProcessBatches)
         assert not alone.recover_on_start  # Kafka kept the queued lines
