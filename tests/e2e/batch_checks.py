@@ -115,3 +115,14 @@ def unlike_alone(
         for line, result in zip(lines, out, strict=True)
         if content_of(result) != answer_alone(client, line["body"])
     ]
+
+
+def usage_in_files(out: list[dict[str, Any]], err: list[dict[str, Any]]) -> tuple[int, int]:
+    """(prompt, completion) tokens summed over a batch's output and error lines."""
+    prompt = completion = 0
+    for line in out + err:
+        usage = (line["response"] or {}).get("body", {}).get("usage")
+        if usage is not None:
+            prompt += usage["prompt_tokens"]
+            completion += usage["completion_tokens"]
+    return prompt, completion

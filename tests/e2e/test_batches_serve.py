@@ -20,6 +20,7 @@ from tests.e2e.batch_checks import (
     sdk_client,
     submit,
     unlike_alone,
+    usage_in_files,
     wait,
     wait_for_progress,
 )
@@ -172,6 +173,11 @@ def test_expired_batch_keeps_finished_lines(tmp_path: Path) -> None:
         check_each_once(lines, out, err)
         assert out and err
         assert {e["error"]["code"] for e in err if e["error"]} == {"batch_expired"}
+        counts, usage = batch.request_counts, batch.usage
+        assert counts is not None and usage is not None
+        assert counts.completed + counts.failed == counts.total == len(lines)
+        reported = (usage.input_tokens, usage.output_tokens)
+        assert usage_in_files(out, err) == reported
 
 
 def test_kill_9_of_serve_mid_batch_then_restart_completes(tmp_path: Path) -> None:
