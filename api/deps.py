@@ -3,21 +3,59 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 
-from api.auth import Principal
-from api.errors import EngineNotReady
+from api.auth import Principal, require_principal
+from api.errors import EngineNotReady, InvalidRequest, RateLimited
 from api.generation import Generation
 from api.prepare import Call, RequestLimits, build_call, deadline_ms_for
 from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
 from api.tenancy import GatewayAdmission
 from bus.messages import GenerateRequest, SamplingSpec
+
+
+class RequestRateGate:
+    """Each tenant's requests per minute, counted before a request is validated or built.
+
+    Admission (`api.tenancy`) counts rpm only for a request that got as far as being
+    admitted, after its body was validated, templated and tokenized; a flood of
+    expensive invalid requests would cost that work every time. This gate counts every
+    request of a tenant with an rpm limit first, whatever its answer, as GCRA with the
+    plan's burst (the quota stores' shape), and answers 429 past it. It is this
+    gateway's own count: across replicas it is looser than the plan, never stricter.
+    """
+
+    WINDOW_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tat: dict[str, float] = {}  # tenant_id -> theoretical arrival time
+
+    def check(self, principal: Principal) -> None:
+        """Count one request of `principal`; raise RateLimited past its rpm."""
+        limits = principal.limits
+        if limits is None or limits.rpm is None:
+            return
+        now = self._clock()
+        if len(self._tat) > 4096:  # a tenant whose count ran out holds nothing: forget it
+            self._tat = {t: v for t, v in self._tat.items() if v > now}
+        tat = max(self._tat.get(principal.tenant_id, now), now)
+        new_tat = tat + (self.WINDOW_S / limits.rpm if limits.rpm else math.inf)
+        wait_s = new_tat - self.WINDOW_S - now
+        if wait_s > 0:
+            retry_s = str(max(1, math.ceil(min(wait_s, self.WINDOW_S))))
+            raise RateLimited(
+                f"Rate limit reached on requests per minute. Retry after {retry_s}s.",
+                {"retry-after": retry_s, "x-ratelimit-limit-requests": str(limits.rpm)},
+            )
+        self._tat[principal.tenant_id] = new_tat
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +77,23 @@ class Gateway:
     ws_max_pending: int = 64
     max_messages: int = 4096
     max_content_parts: int = 512
+    rate_gate: RequestRateGate = field(default_factory=RequestRateGate)
+
+    def check_input_size(self, raw: Any) -> None:
+        """400 for a body with more than `max_messages` messages (chat `messages`,
+        responses `input`) or a message of more than `max_content_parts` parts: checked
+        on the parsed JSON, before validation and the chat template spend CPU on it."""
+        if not isinstance(raw, dict):
+            return
+        for param in ("messages", "input"):
+            items = raw.get(param)
+            if not isinstance(items, list):
+                continue
+            _check_length(items, param, self.max_messages)
+            for i, item in enumerate(items):
+                content = item.get("content") if isinstance(item, dict) else None
+                if isinstance(content, list):
+                    _check_length(content, f"{param}[{i}].content", self.max_content_parts)
 
     def call(
         self,
@@ -86,6 +141,32 @@ def require_engine_ready(conn: HTTPConnection) -> None:
     probe = getattr(conn.app.state, "worker_probe", None)
     if probe is not None and not probe.ready():
         raise EngineNotReady()
+
+
+def _check_length(items: list[Any], param: str, most: int) -> None:
+    if len(items) > most:
+        raise InvalidRequest(
+            f"Invalid '{param}': array too long. Expected an array with maximum length"
+            f" {most}, but got an array with length {len(items)} instead.",
+            param=param,
+            code="array_above_max_length",
+        )
+
+
+async def screened_principal(request: Request) -> Principal:
+    """The caller of a generation route, screened before its body is validated and built:
+    counted against its tenant's rpm (`RequestRateGate`) and its message counts bounded.
+    FastAPI has parsed the JSON already (`request.json()` returns it); the pydantic
+    validation, template and tokenizing that follow are what a flood would cost."""
+    principal = await require_principal(request)
+    gw = gateway(request)
+    gw.rate_gate.check(principal)
+    try:
+        raw = await request.json()
+    except ValueError:
+        return principal  # not JSON: the route's validation answers it
+    gw.check_input_size(raw)
+    return principal
 
 
 def gateway(conn: HTTPConnection) -> Gateway:

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import prepare
-from api.auth import Principal, require_principal
-from api.deps import Gateway, build_off_loop_if_large, call_id, gateway
+from api.auth import Principal
+from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import InvalidRequest, error_for_finish
 from api.formatting import ChatFormat, generation_usage
 from api.generation import Generation
@@ -84,7 +84,7 @@ def build(
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
-    principal: Principal = Depends(require_principal),
+    principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     cid = call_id(request)

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from api import prepare
-from api.auth import Principal, authenticate, require_principal
-from api.deps import Gateway, build_off_loop_if_large, call_id, gateway
+from api.auth import Principal, authenticate
+from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import APIError
 from api.prepare import Call
 from api.responses_format import ResponsesFormat, text_format_type
@@ -96,7 +96,7 @@ def build(
 async def create_response(
     body: ResponsesRequest,
     request: Request,
-    principal: Principal = Depends(require_principal),
+    principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     cid = call_id(request)
@@ -141,6 +141,8 @@ async def responses_websocket(websocket: WebSocket) -> None:
         principal = await authenticate(websocket)
         payload = {k: v for k, v in event.items() if k not in {"type", "stream"}}
         try:
+            gw.rate_gate.check(principal)  # as `screened_principal` does for HTTP
+            gw.check_input_size(payload)
             body = ResponsesRequest.model_validate(payload)
             call = await asyncio.to_thread(build, body, websocket.headers, principal, gw, cid)
             generation = await gw.submit(websocket, principal, call.requests, call.deadline_ms)
