@@ -167,7 +167,7 @@ def run(
 def run_fault(fault: Fault, total: int, max_tokens: int, workdir: Path | None) -> dict[str, Any]:
     root = workdir or Path(tempfile.mkdtemp(prefix="sluice-faults-"))
     db_name = f"sluice_faults_{uuid.uuid4().hex[:8]}"
-    db_url = _create_database(db_name)
+    db_url = create_database(db_name)
     fleet = Fleet(root / fault.name.split()[0].lower(), db_url)
     try:
         fleet.start()
@@ -185,7 +185,7 @@ def run_fault(fault: Fault, total: int, max_tokens: int, workdir: Path | None) -
         return row
     finally:
         fleet.stop()
-        _drop_database(db_name)
+        drop_database(db_name)
 
 
 class _Injector:
@@ -304,7 +304,7 @@ def _ledger(db_url: str, request_ids: set[str]) -> dict[str, int]:
     return {"attempts": row[0], "prompt_tokens": row[1], "completion_tokens": row[2]}
 
 
-def _create_database(name: str) -> str:
+def create_database(name: str) -> str:
     admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
@@ -312,7 +312,7 @@ def _create_database(name: str) -> str:
     return ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
 
 
-def _drop_database(name: str) -> None:
+def drop_database(name: str) -> None:
     admin = sa.create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -166,6 +166,7 @@ class Fleet:
     workdir: Path
     database_url: str
     engine_workers: int = 2
+    env: dict[str, str] = field(default_factory=dict)  # more for `sluice up` and its children
     port: int = field(default_factory=free_port)
     kafka: TcpProxy | None = None
     broker: Broker | None = None
@@ -200,6 +201,7 @@ class Fleet:
             "SLUICE_DATABASE_URL": proxied.render_as_string(hide_password=False),
             "SLUICE_ENGINE_GROUP_ID": f"engine-faults-{uuid.uuid4().hex[:6]}",
             "SLUICE_DATA_DIR": str(self.workdir / "data"),
+            **self.env,
         }
         subprocess.run([sys.executable, "-m", "sluice", "migrate"], env=env, check=True,
                        capture_output=True)  # fmt: skip
