@@ -301,6 +301,32 @@ def bench_faults(
     emit(run(total=requests, max_tokens=max_tokens, only=only), render, as_json)
 
 
+@bench_app.command("money")
+def bench_money(
+    as_json: JsonFlag = False,
+    quick: Annotated[
+        bool, typer.Option(help="Fewer requests per scenario, the same scenarios.")
+    ] = False,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Run only the scenarios whose name contains this.")
+    ] = None,
+    fleet: Annotated[
+        bool, typer.Option(help="Also the Kafka fleet's scenarios (needs PostgreSQL, Redis).")
+    ] = True,
+) -> None:
+    """Σ ledger against Σ usage the client was shown, one row per scenario: plain chat and
+    completions, n = 4, streams cancelled by disconnect, batches completed, cancelled and
+    expired, `sluice bulk` (against the engine's usage), a kill -9 of the engine process;
+    on Kafka a kill -9 of an engine worker and of the gateway. Goal: difference 0.
+
+    Starts `sluice serve` (tiny-llama) and, with --fleet, a `sluice up` fleet on a Tansu
+    broker, a Redis of its own and the PostgreSQL at $SLUICE_TEST_DATABASE_URL.
+    """
+    from benchmarks.money import render, run
+
+    emit(run(quick=quick, only=only, fleet=fleet), render, as_json)
+
+
 def main() -> None:
     app(prog_name="sluice")
 
