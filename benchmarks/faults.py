@@ -10,7 +10,9 @@ requests run. It reports, per row:
   a clear error, lost, duplicated and missing tokens;
 - money: Σ ledger rows against Σ engine usage records (one per request attempt, the
   attempt's own record over a resumer's estimate, as the ledger keeps them), read from
-  the usage topic and from PostgreSQL once the billing consumer has caught up.
+  the usage topic and from PostgreSQL once the billing consumer has caught up; and Σ
+  ledger against Σ usage the clients were shown (`benchmarks.money`: a request whose
+  client never got a usage object counts its own ledger rows, what `/v1/usage` shows it).
 
 The goal for every row: 0 lost, 0 duplicated or missing tokens, ledger = engine usage; for
 a graceful one (the rolling restart) also 0 failed and every completed request billed
@@ -34,6 +36,7 @@ import sqlalchemy as sa
 
 from benchmarks.faults_infra import API_KEY, Fleet, TcpProxy, busiest
 from benchmarks.faults_load import Load, Outcome, run_load, summarize
+from benchmarks.money import LedgerRow, Seen, Tally, client_visible
 from bus.codec import decode_as
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.messages import UsageRecord
@@ -257,6 +260,7 @@ def _money(fleet: Fleet, outcomes: list[Outcome], db_url: str) -> dict[str, Any]
         bus.close()
     totals = _engine_totals(engine)
     return {
+        **_client_visible(db_url, outcomes),
         "engine_attempts": totals["attempts"],
         "engine_completion_tokens": totals["completion_tokens"],
         "ledger_rows": ledger["attempts"],
@@ -264,6 +268,42 @@ def _money(fleet: Fleet, outcomes: list[Outcome], db_url: str) -> dict[str, Any]
         "ledger_equals_engine": ledger == totals,
         "billed_not_delivered": _billed_not_delivered(engine, outcomes),
     }
+
+
+def _client_visible(db_url: str, outcomes: list[Outcome]) -> dict[str, Any]:
+    """Σ prompt and completion tokens the clients were shown against Σ ledger rows of
+    their requests (the promise of `sluice bench money`)."""
+    seen = [
+        Seen(o.request_id, None if o.usage_tokens is None else {
+            "prompt_tokens": o.usage_prompt_tokens or 0, "completion_tokens": o.usage_tokens},
+            received=o.tokens)
+        for o in outcomes
+    ]  # fmt: skip
+    rows = ledger_rows(db_url, {o.request_id for o in outcomes if o.request_id})
+    client, _ = client_visible(seen, rows)
+    ledger = sum((Tally(1, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.cost_picos)
+                  for r in rows), Tally())  # fmt: skip
+    return {
+        "client_prompt_tokens": client.prompt_tokens,
+        "client_completion_tokens": client.completion_tokens,
+        "ledger_prompt_tokens": ledger.prompt_tokens,
+        "client_equals_ledger": (client.prompt_tokens, client.completion_tokens)
+        == (ledger.prompt_tokens, ledger.completion_tokens),
+    }
+
+
+def ledger_rows(db_url: str, request_ids: set[str]) -> list[LedgerRow]:
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT request_id, prompt_tokens, cached_tokens, completion_tokens, "
+                        "cost_picos FROM usage_ledger WHERE request_id = ANY(:ids)"),
+                {"ids": list(request_ids)},
+            ).all()  # fmt: skip
+    finally:
+        engine.dispose()
+    return [LedgerRow(*row) for row in rows]
 
 
 def _billed_not_delivered(
@@ -335,14 +375,17 @@ def _redone_or_failed(row: dict[str, Any]) -> bool:
 
 def render(result: dict[str, Any]) -> str:
     head = ("| fault | sent | completed | cancelled | failed (clear) | lost | dup tokens | "
-            "missing tokens | ledger / engine completion tokens | at goal |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+            "missing tokens | ledger / engine completion tokens | client-visible / ledger "
+            "prompt + completion tokens | at goal |")  # fmt: skip
+    lines = [head, "|" + "---|" * 11]
     for r in result["rows"]:
         money = f"{r['ledger_completion_tokens']} / {r['engine_completion_tokens']}"
+        shown = (f"{r['client_prompt_tokens']} + {r['client_completion_tokens']} / "
+                 f"{r['ledger_prompt_tokens']} + {r['ledger_completion_tokens']}")  # fmt: skip
         lines.append(
             f"| {r['fault']} | {r['sent']} | {r['completed']} | {r['cancelled']} | "
             f"{r['failed_clear']} | {r['lost']} | {r['duplicated_tokens']} | "
-            f"{r['missing_tokens']} | {money} | {'yes' if r['at_goal'] else 'NO'} |"
+            f"{r['missing_tokens']} | {money} | {shown} | {'yes' if r['at_goal'] else 'NO'} |"
         )
     for r in result["rows"]:
         lines.append(f"- {r['fault']} ({r['seconds']} s): {'; '.join(r['injected']) or '-'}")

@@ -36,6 +36,7 @@ class Outcome:
     status: str = "lost"  # completed | failed | cancelled | lost
     tokens: int = 0  # tokens the client was given
     usage_tokens: int | None = None  # completion tokens the gateway reported
+    usage_prompt_tokens: int | None = None  # and prompt tokens (None: no usage object came)
     error: str | None = None
 
 
@@ -121,6 +122,7 @@ class Load:
         choice = payload["choices"][0]
         outcome.tokens = len(choice["logprobs"]["tokens"])
         outcome.usage_tokens = payload["usage"]["completion_tokens"]
+        outcome.usage_prompt_tokens = payload["usage"]["prompt_tokens"]
         outcome.status = "completed" if choice.get("finish_reason") else "lost"
 
     async def _stream(
@@ -153,6 +155,7 @@ class Load:
                     return
                 if chunk.get("usage"):
                     outcome.usage_tokens = chunk["usage"]["completion_tokens"]
+                    outcome.usage_prompt_tokens = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
                     outcome.tokens += len((choice.get("logprobs") or {}).get("content") or [])
                     finished = finished or choice.get("finish_reason") is not None
