@@ -178,6 +178,25 @@ def test_expired_batch_keeps_finished_lines(tmp_path: Path) -> None:
         assert counts.completed + counts.failed == counts.total == len(lines)
         reported = (usage.input_tokens, usage.output_tokens)
         assert usage_in_files(out, err) == reported
+        assert _ledger_totals(tmp_path / "data", batch.id, reported) == reported
+
+
+def _ledger_totals(data: Path, batch_id: str, expected: tuple[int, int]) -> tuple[int, int]:
+    """Σ (prompt, completion) of the batch's ledger rows, once the billing consumer has
+    caught up with `expected` (or 20 s passed)."""
+    import sqlite3
+    import time
+
+    query = "SELECT SUM(prompt_tokens), SUM(completion_tokens) FROM usage_ledger "
+    query += "WHERE batch_id = ?"
+    deadline = time.monotonic() + 20
+    while True:
+        with sqlite3.connect(data / "sluice.db") as db:
+            prompt, completion = db.execute(query, (batch_id,)).fetchone()
+        totals = (prompt or 0, completion or 0)
+        if totals == expected or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.2)
 
 
 def test_kill_9_of_serve_mid_batch_then_restart_completes(tmp_path: Path) -> None:
