@@ -14,7 +14,8 @@ requests run. It reports, per row:
   ledger against Σ usage the clients were shown (`benchmarks.money`: a request whose
   client never got a usage object counts its own ledger rows, what `/v1/usage` shows it).
 
-The goal for every row: 0 lost, 0 duplicated or missing tokens, ledger = engine usage; for
+The goal for every row: 0 lost, 0 duplicated or missing tokens, ledger = engine usage =
+the usage the clients were shown (docs/architecture.md §5.4); for
 a graceful one (the rolling restart) also 0 failed and every completed request billed
 exactly the completion tokens its client got.
 """
@@ -366,6 +367,7 @@ def _at_goal(row: dict[str, Any]) -> bool:
         and row["missing_tokens"] == 0
         and row["usage_mismatches"] == 0
         and row["ledger_equals_engine"]
+        and row["client_equals_ledger"]
     )
 
 

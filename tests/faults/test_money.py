@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def _check(rows: list[dict[str, Any]]) -> None:
-    table = render({"rows": rows, "seconds": sum(r["seconds"] for r in rows)})
+    table = render({"rows": rows, "seconds": round(sum(r["seconds"] for r in rows), 1)})
     print(table)
     assert rows, "no scenario ran"
     off = [f"{r['scenario']}: diff {r['diff']}, unseen {r['unseen']}, notes {r['notes']}"
