@@ -67,6 +67,7 @@ def create_app(
         reply_partitions=1,
         publish_timeout_s=settings.publish_timeout_s,
         deadline_grace_s=settings.deadline_grace_s,
+        heartbeat_s=settings.heartbeat_s,
     )
     limits = request_limits(settings)
 

@@ -31,8 +31,8 @@ from api.server_span import note_generation
 from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from bus.codec import decode_as, encode
 from bus.errors import BusError
-from bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch
-from bus.topics import CONTROL_TOPIC, reply_topic, request_topic
+from bus.messages import Cancel, GenerateRequest, Heartbeat, TokenDelta, TokenDeltaBatch
+from bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC, reply_topic, request_topic
 from tracing.metrics import time_publish
 from tracing.propagation import inject_headers
 from tracing.spans import SendSpan
@@ -57,11 +57,16 @@ class GatewayService:
         publish_timeout_s: float = 10.0,
         poll_timeout_s: float = 0.1,
         deadline_grace_s: float = 5.0,
+        heartbeat_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.reply_topic = reply_topic(self.gateway_id)
         self.deadline_grace_s = deadline_grace_s
+        # engine workers cancel a silent gateway's requests (`consumers.gateway_liveness`);
+        # 0 sends none (a batch or bulk reply target, whose requests must run on)
+        self.heartbeat_s = heartbeat_s
+        self._beat_at = 0.0
         self._reply_partitions = reply_partitions
         self._publish_timeout_s = publish_timeout_s
         self._poll_timeout_s = poll_timeout_s
@@ -234,6 +239,7 @@ class GatewayService:
                     committed_at = time.monotonic()
                 self._last_poll_ok = time.monotonic()
                 self._poll_error = None
+                self._heartbeat()
                 if self._assigned.is_set():
                     # positions resolve ("latest") in the poll that follows the assignment
                     self._ready.set()
@@ -255,6 +261,18 @@ class GatewayService:
                 consumer.close()
             except BusError as exc:
                 logger.warning("reply consumer close failed: %s", exc)
+
+    def _heartbeat(self) -> None:
+        """From the reply consumer's thread: a gateway that cannot read its replies
+        cannot serve its requests either. Raises BusError."""
+        now = time.monotonic()
+        if self.heartbeat_s <= 0 or now - self._beat_at < self.heartbeat_s:
+            return
+        self._beat_at = now
+        beat = Heartbeat(
+            sender_id=self.gateway_id, role="gateway", interval_ms=int(self.heartbeat_s * 1000)
+        )
+        self.bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self.gateway_id.encode())
 
     def _hand_over(self, batches: list[TokenDeltaBatch]) -> None:
         loop = self._loop

@@ -14,6 +14,7 @@ from bus.errors import DecodeError
 from bus.messages import (
     Cancel,
     GenerateRequest,
+    Heartbeat,
     Message,
     TelemetryRecord,
     TokenDeltaBatch,
@@ -21,6 +22,7 @@ from bus.messages import (
 )
 from bus.topics import (
     CONTROL_TOPIC,
+    HEARTBEATS_TOPIC,
     REQUEST_TOPICS,
     TELEMETRY_TOPIC,
     TOKENS_TOPIC,
@@ -30,6 +32,7 @@ from bus.topics import (
 TOPIC_MESSAGES: dict[str, type[Message]] = {
     **{topic: GenerateRequest for topic in REQUEST_TOPICS},
     CONTROL_TOPIC: Cancel,
+    HEARTBEATS_TOPIC: Heartbeat,
     TOKENS_TOPIC: TokenDeltaBatch,
     USAGE_TOPIC: UsageRecord,
     TELEMETRY_TOPIC: TelemetryRecord,

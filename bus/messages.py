@@ -77,6 +77,16 @@ class Cancel(Message):
         return self
 
 
+class Heartbeat(Message):
+    """A gateway or an engine worker is alive (`sluice.heartbeats.v1`, every
+    `interval_ms`): workers cancel the requests of a gateway that went silent
+    (`consumers.gateway_liveness`)."""
+
+    sender_id: str  # the gateway id (its reply target) or the worker id
+    role: Literal["gateway", "worker"]
+    interval_ms: int
+
+
 class TopLogprob(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -27,6 +27,7 @@ def request_topic(lane: Lane) -> str:
 
 REQUEST_TOPICS: tuple[str, ...] = tuple(request_topic(lane) for lane in Lane)
 CONTROL_TOPIC = "sluice.control.v1"
+HEARTBEATS_TOPIC = "sluice.heartbeats.v1"  # gateways and engine workers say they live
 TOKENS_TOPIC = "sluice.tokens.v1"
 USAGE_TOPIC = "sluice.usage.v1"
 TELEMETRY_TOPIC = "sluice.telemetry.v1"
@@ -63,6 +64,7 @@ class TopicLayout:
         specs = [TopicSpec(t, self.request_partitions) for t in REQUEST_TOPICS]
         specs += [
             TopicSpec(CONTROL_TOPIC, self.control_partitions),
+            TopicSpec(HEARTBEATS_TOPIC, 1),
             TopicSpec(TOKENS_TOPIC, self.tokens_partitions),
             TopicSpec(USAGE_TOPIC, self.usage_partitions),
             TopicSpec(TELEMETRY_TOPIC, self.telemetry_partitions),

@@ -25,14 +25,15 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from bus.base import EventBus, Record, TopicPartition
-from bus.codec import decode_as
+from bus.codec import decode_as, encode
 from bus.errors import DecodeError
-from bus.messages import Cancel, GenerateRequest
-from bus.topics import Lane, reply_topic
+from bus.messages import Cancel, GenerateRequest, Heartbeat
+from bus.topics import HEARTBEATS_TOPIC, Lane, reply_topic
 from consumers.cancels import CancelRegistry, cancel_matches
 from consumers.engine_outputs import superseded_telemetry, superseded_usage, unrun_terminal
 from consumers.engine_publisher import StepPublisher
 from consumers.fair_queue import FairQueue
+from consumers.gateway_liveness import GatewayLiveness
 from consumers.loop import publish_dead_letter
 from consumers.offsets import OffsetTracker
 from consumers.progress import AttemptStart, ProgressStore, ProgressUnavailable
@@ -100,6 +101,10 @@ class FlowConfig(Protocol):
     def max_kv_usage(self) -> float: ...
     @property
     def max_engine_deaths(self) -> int: ...
+    @property
+    def heartbeat_s(self) -> float: ...
+    @property
+    def gateway_ttl_s(self) -> float: ...
 
 
 class FlowStats(Protocol):
@@ -146,6 +151,7 @@ class RequestFlow:
         self._items: dict[str, WorkItem] = {}
         self.offsets = OffsetTracker()
         self._cancels = CancelRegistry(config.cancel_ttl_s, config.max_cancelled)
+        self._gateways = GatewayLiveness(worker_id, config.heartbeat_s, config.gateway_ttl_s)
         self.commit_snapshot: dict[TopicPartition, int] = {}
         self._assigned: set[TopicPartition] = set()
         self.num_in_engine = 0
@@ -199,6 +205,7 @@ class RequestFlow:
     def tick(self) -> None:
         self._expire_buffered()
         self._expire_orphans()
+        self._cancel_for_gone_gateways()
         self._cancels.expire()
         self.admit()
 
@@ -253,6 +260,9 @@ class RequestFlow:
         self._update_snapshot()
 
     def on_control(self, record: Record) -> None:
+        if record.topic == HEARTBEATS_TOPIC:
+            self._on_heartbeat(record)
+            return
         try:
             cancel = decode_as(Cancel, record.value)
         except DecodeError as exc:
@@ -266,6 +276,30 @@ class RequestFlow:
             targets = list(self._items.values())
         for item in targets:
             if cancel_matches(cancel, item.request):
+                self._cancel(item)
+
+    def _on_heartbeat(self, record: Record) -> None:
+        try:
+            self._gateways.heard(decode_as(Heartbeat, record.value))
+        except DecodeError as exc:
+            logger.warning("worker=%s undecodable heartbeat: %s", self.worker_id, exc)
+
+    def _cancel_for_gone_gateways(self) -> None:
+        """Publish this worker's heartbeat when due; cancel what a gone gateway asked for
+        (`consumers.gateway_liveness`)."""
+        if self._gateways.due():
+            beat = self._gateways.own_beat()
+            self.bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self.worker_id.encode())
+        gone = self._gateways.gone()
+        if not gone:
+            return
+        for item in list(self._items.values()):
+            if item.request.reply_to in gone and item.end is None:
+                logger.warning(
+                    "request_id=%s tenant_id=%s cancelled: its gateway %s is gone",
+                    *_ids(item),
+                    item.request.reply_to,
+                )
                 self._cancel(item)
 
     def _cancel(self, item: WorkItem) -> None:

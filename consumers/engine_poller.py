@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from bus.base import Consumer, EventBus, Record, TopicPartition
 from bus.errors import BusError
-from bus.topics import CONTROL_TOPIC
+from bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class LanePoller:
     def open(self) -> None:
         self._control = self.bus.consumer(
             self.control_group_id,
-            [CONTROL_TOPIC],
+            [CONTROL_TOPIC, HEARTBEATS_TOPIC],
             offset_reset="latest",
             max_wait_ms=self._control_max_wait_ms,
         )

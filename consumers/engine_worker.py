@@ -109,6 +109,10 @@ class EngineWorkerConfig:
     engine_restart_reset_s: float = 60.0
     max_engine_deaths: int = 3
     engine_max_failed_starts: int = 5
+    # Gateways and workers say they live every `heartbeat_s`; the requests of a gateway
+    # silent for `gateway_ttl_s` are cancelled (`consumers.gateway_liveness`); 0: never.
+    heartbeat_s: float = 1.0
+    gateway_ttl_s: float = 5.0
 
 
 @dataclass(slots=True)

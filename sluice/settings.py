@@ -87,6 +87,11 @@ class BusSettings(_Base):
         "answers a held fetch as soon as a record arrives, so raise it there (100-500) to "
         "spare the broker; Tansu holds it the whole wait, so keep it short there",
     )
+    heartbeat_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="how often a gateway (distributed mode) and an engine worker say they live",
+    )
     request_partitions: int = Field(default=6, ge=1, le=1024)
     tokens_partitions: int = Field(default=6, ge=1, le=1024)
     usage_partitions: int = Field(default=3, ge=1, le=1024)
@@ -530,6 +535,12 @@ class EngineWorkerSettings(Settings):
     max_kv_usage: float = Field(default=0.9, gt=0, le=1.0)
     max_in_engine: int = Field(default=128, ge=1)
     cancel_ttl_s: float = Field(default=600.0, gt=0)
+    gateway_ttl_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a gateway whose heartbeats stop this long has its requests cancelled "
+        "(billed for what was generated); 0 never cancels",
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0)
     progress_ttl_s: int = Field(default=6 * 3600, ge=60)
     reply_interval_ms: float = Field(
@@ -558,6 +569,8 @@ class EngineWorkerSettings(Settings):
             "max_engine_waiting": self.max_engine_waiting,
             "max_engine_waiting_tokens": self.max_engine_waiting_tokens,
             "max_kv_usage": self.max_kv_usage,
+            "heartbeat_s": self.heartbeat_s,
+            "gateway_ttl_s": self.gateway_ttl_s,
             "max_in_engine": self.max_in_engine,
             "cancel_ttl_s": self.cancel_ttl_s,
             "drain_timeout_s": self.drain_timeout_s,

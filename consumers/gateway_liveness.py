@@ -1,0 +1,82 @@
+"""Which gateways are gone, as an engine worker sees it, so their requests stop billing.
+
+A gateway that dies (kill -9, a lost host) leaves its requests running into a reply topic
+nobody reads: the tenant would pay for every token up to `max_tokens` of a stream its
+client never got. Each gateway publishes a `Heartbeat` every `heartbeat_s` on
+`sluice.heartbeats.v1`, and so does each engine worker; a worker cancels the requests of
+a gateway it heard before and has not heard for `ttl_s` (billed for what was generated
+until then, as a client's disconnect is).
+
+Silence alone is not death: a broker outage silences every gateway at once. So a gateway
+is judged only while the heartbeat stream flows: the worker heard its own heartbeat
+within two intervals, and has heard heartbeats without a gap for `ttl_s`, so every
+live gateway had the time to be heard again after an outage. Reply targets that never
+sent a heartbeat (the batches collector, a gateway of an older version) are never judged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from bus.messages import Heartbeat
+
+
+class GatewayLiveness:
+    def __init__(
+        self,
+        worker_id: str,
+        heartbeat_s: float,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        forget_after_s: float = 3600.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._forget_after_s = forget_after_s
+        self._gateways: dict[str, float] = {}  # gateway id → when last heard
+        self._own_heard = -float("inf")  # this worker's heartbeat came back (the stream flows)
+        self._flowing_since = clock()
+        self._last_heard = -float("inf")  # any heartbeat
+        self._last_sent = -float("inf")
+
+    def heard(self, beat: Heartbeat) -> None:
+        now = self._clock()
+        if now - self._last_heard > 2 * self.heartbeat_s:
+            self._flowing_since = now  # after a silence, every gateway gets a new ttl
+        self._last_heard = now
+        if beat.role == "gateway":
+            self._gateways[beat.sender_id] = now
+        elif beat.sender_id == self.worker_id:
+            self._own_heard = now
+
+    def due(self) -> bool:
+        """Time for this worker's own heartbeat (the caller publishes it)."""
+        now = self._clock()
+        if self.ttl_s <= 0 or now - self._last_sent < self.heartbeat_s:
+            return False
+        self._last_sent = now
+        return True
+
+    def own_beat(self) -> Heartbeat:
+        return Heartbeat(
+            sender_id=self.worker_id, role="worker", interval_ms=int(self.heartbeat_s * 1000)
+        )
+
+    def gone(self) -> set[str]:
+        """The gateways heard before and silent for `ttl_s` while the stream flows."""
+        now = self._clock()
+        if self.ttl_s <= 0:
+            return set()
+        flowing = (
+            now - self._own_heard <= 2 * self.heartbeat_s
+            and now - self._flowing_since >= self.ttl_s
+        )
+        if not flowing:
+            return set()
+        for gateway, heard in list(self._gateways.items()):
+            if now - heard > self._forget_after_s:
+                del self._gateways[gateway]
+        return {g for g, heard in self._gateways.items() if now - heard > self.ttl_s}

@@ -1,0 +1,115 @@
+"""A gone gateway's requests stop (and stop billing); a broker outage kills no gateway."""
+
+from __future__ import annotations
+
+import threading
+
+from bus.codec import encode
+from bus.memory import MemoryEventBus
+from bus.messages import Heartbeat
+from bus.topics import HEARTBEATS_TOPIC
+from consumers.engine_worker import EngineWorkerConfig
+from consumers.gateway_liveness import GatewayLiveness
+from tests.unit.consumers.engine_fakes import FakeEngineBackend
+from tests.unit.consumers.engine_harness import (
+    GATEWAY,
+    Client,
+    WorkerThread,
+    create_topics,
+    make_request,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gateway(gateway_id: str) -> Heartbeat:
+    return Heartbeat(sender_id=gateway_id, role="gateway", interval_ms=1000)
+
+
+def beats(live: GatewayLiveness, clock: Clock, seconds: int, *gateways: str) -> None:
+    """`seconds` of heartbeats, one a second, from this worker and `gateways`."""
+    for _ in range(seconds):
+        clock.now += 1.0
+        live.heard(live.own_beat())
+        for g in gateways:
+            live.heard(gateway(g))
+
+
+def test_a_gateway_silent_past_its_ttl_is_gone_while_others_are_heard() -> None:
+    clock = Clock()
+    live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
+    beats(live, clock, 10, "gw-a", "gw-b")
+    assert live.gone() == set()
+    beats(live, clock, 5, "gw-a")
+    assert live.gone() == set()  # 5 s silent: not yet past the ttl
+    beats(live, clock, 1, "gw-a")
+    assert live.gone() == {"gw-b"}
+    live.heard(gateway("gw-b"))  # it was alive after all
+    assert live.gone() == set()
+
+
+def test_an_outage_silences_every_gateway_without_killing_one() -> None:
+    clock = Clock()
+    live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
+    beats(live, clock, 10, "gw-a", "gw-b")
+    clock.now += 30.0  # the broker is away: nothing is heard, the worker's own beat neither
+    assert live.gone() == set()
+    # back: heartbeats arrive in any order; every gateway gets a whole ttl to be heard
+    beats(live, clock, 4, "gw-a")
+    assert live.gone() == set()
+    beats(live, clock, 2, "gw-a")
+    assert live.gone() == {"gw-b"}  # heard nothing from it for a ttl since the stream came back
+
+
+def test_reply_targets_that_never_beat_are_never_judged_and_ttl_0_judges_none() -> None:
+    clock = Clock()
+    live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
+    beats(live, clock, 60)
+    assert live.gone() == set()
+    off = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=0.0, clock=clock)
+    off.heard(gateway("gw-a"))
+    clock.now += 60.0
+    assert off.gone() == set() and not off.due()
+
+
+def test_the_requests_of_a_gateway_that_stops_beating_are_cancelled_and_billed_so_far() -> None:
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    backend = FakeEngineBackend(step_s=0.01)
+    config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.05,
+                                gateway_ttl_s=0.3)  # fmt: skip
+    worker = WorkerThread(bus, backend, config).start()
+    stop_beating = threading.Event()
+
+    def beat() -> None:
+        while not stop_beating.wait(0.05):
+            bus.publish(HEARTBEATS_TOPIC, encode(gateway(GATEWAY))).result(5)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        client.send(make_request("long", max_tokens=100_000))
+        client.wait(lambda: len(client.view.streams.get("long", _NONE).token_ids) >= 5)
+        stop_beating.set()  # the gateway dies
+        client.wait(lambda: any(u.request_id == "long" for u in client.usage), 10)
+    finally:
+        stop_beating.set()
+        worker.stop()
+    assert "long" in backend.aborts
+    [usage] = [u for u in client.usage if u.request_id == "long"]
+    assert usage.finish_reason == "abort"
+    assert 5 <= usage.completion_tokens < 1000  # what ran until the ttl, not max_tokens
+
+
+class _Stream:
+    token_ids: list[int] = []
+
+
+_NONE = _Stream()
