@@ -36,13 +36,17 @@ def plain(fleet: Fleet, admin: Admin, quick: bool) -> list[Row]:
 
 
 def _killed_mid_stream(
-    fleet: Fleet, admin: Admin, scenario: str, kill: Callable[[Fleet], str]
+    fleet: Fleet,
+    admin: Admin,
+    scenario: str,
+    kill: Callable[[Fleet], str],
+    max_tokens: int = 300,
 ) -> list[Row]:
     """Streams under a tenant of their own; `kill` once each has some tokens."""
     tenant = admin.tenant(kill.__name__.replace("_", "-"))
     greedy = {"stream": True, "extra_body": {"ignore_eos": True}}
-    bodies = [chat_body(f"Failover story {i}", 300, **greedy) for i in range(4)]
-    bodies += [completion_body(f"Failover story {i}", 300, **greedy) for i in range(4, 8)]
+    bodies = [chat_body(f"Failover story {i}", max_tokens, **greedy) for i in range(4)]
+    bodies += [completion_body(f"Failover story {i}", max_tokens, **greedy) for i in range(4, 8)]
     seen = [Seen() for _ in bodies]
     injected: list[str] = []
 
@@ -93,7 +97,10 @@ def worker_kill(fleet: Fleet, admin: Admin, quick: bool) -> list[Row]:
 
 
 def gateway_kill(fleet: Fleet, admin: Admin, quick: bool) -> list[Row]:
-    return _killed_mid_stream(fleet, admin, "kill -9 of the gateway mid-stream", kill_gateway)
+    # streams far longer than the gateway's ttl: its requests are cancelled once workers
+    # miss its heartbeats (billed for what ran until then), not run to max_tokens
+    scenario = "kill -9 of the gateway mid-stream"
+    return _killed_mid_stream(fleet, admin, scenario, kill_gateway, max_tokens=1500)
 
 
 SCENARIOS: list[tuple[str, Callable[[Fleet, Admin, bool], list[Row]]]] = [
