@@ -1,8 +1,8 @@
 """The fault suite: each fault of `sluice bench faults` on a real fleet, at its goal.
 
 Fewer requests per fault than the benchmark's 1,000 (CI runs on 2 cores); the same code.
-Goal for every row: nothing lost, no duplicated or missing tokens at the clients, and the
-ledger equal to the engine's usage records; a graceful fault (the rolling restart) fails
+Goal for every row: nothing lost, no duplicated or missing tokens at the clients, the
+ledger equal to the engine's usage records and to the usage the clients were shown; a graceful fault (the rolling restart) fails
 nothing and bills each completed request exactly what its client got.
 """
 
@@ -51,6 +51,7 @@ def test_fault(fault, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     assert row["duplicated_tokens"] == 0 and row["missing_tokens"] == 0, table
     assert row["usage_mismatches"] == 0, table
     assert row["ledger_equals_engine"], table
+    assert row["client_equals_ledger"], table  # what the clients were shown is what is billed
     if fault.graceful:  # nothing failed, nothing redone: billed exactly what clients got
         assert row["failed_clear"] == 0 and row["billed_not_delivered"] == 0, table
     assert not any("failed" in i or "never ran" in i for i in row["injected"]), table
