@@ -28,22 +28,19 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
 from benchmarks import serving_runs as runs
+from benchmarks.sluice_serve import serve
 from benchmarks.stats import percentile, ratio
-from bus.tansu import free_port
 from bus.topics import Lane
 
 TARGETS = {
@@ -91,56 +88,6 @@ def chat_lines(n: int, max_tokens: int, seed: int, tag: str = "line") -> list[di
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
-
-
-# -- the server -------------------------------------------------------------------------
-@dataclass(slots=True)
-class Served:
-    """`sluice serve` in a session of its own, its output in `log`."""
-
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    data_dir: Path
-    log: Path
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-
-@contextlib.contextmanager
-def serve(workdir: Path, timeout_s: float = 240.0) -> Iterator[Served]:
-    """`sluice serve` on a free port with its own data dir, ready (/readyz 200)."""
-    port, data_dir, log = free_port(), workdir / "data", workdir / "serve.log"
-    args = ["serve", "--port", str(port), "--data-dir", str(data_dir), "--api-key", API_KEY]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    served = Served(proc, f"http://127.0.0.1:{port}", data_dir, log)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _ready(served):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sluice serve did not become ready:\n{served.log_tail()}")
-            time.sleep(0.5)
-        yield served
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def _ready(served: Served) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{served.base_url}/readyz", timeout=2).status_code == 200
-    return False
 
 
 # -- the direct engine ------------------------------------------------------------------
@@ -521,7 +468,7 @@ async def _run_async(
     workdir: Path, num_lines: int, max_tokens: int, num_rounds: int, window_s: float
 ) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    with serve(workdir) as served:
+    with serve(workdir, API_KEY) as served:
         direct, model, options = direct_engine(served.data_dir)
         result["engine_options"] = options
         await direct.start()

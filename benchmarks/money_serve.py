@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
+from benchmarks import sluice_serve
 from benchmarks.money import MODEL, Row, Seen, Tally, failed_row, usage_tokens, wanted
 from benchmarks.money_clients import (
     ADMIN_KEY,
@@ -38,7 +38,6 @@ from benchmarks.money_clients import (
     sdk,
     wait_until,
 )
-from bus.tansu import free_port
 
 API_KEY = "sk-money"
 BATCH_WINDOW_S = 8  # what "24h" lasts here: the expired batch's lines outlast it
@@ -50,52 +49,19 @@ SHARED_PREFIX = " ".join(f"Rule {i}: answer briefly and stay on topic." for i in
 
 
 @dataclass(slots=True)
-class Served:
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    data_dir: Path
-    log: Path
+class Served(sluice_serve.Served):
     admin: Admin
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
 @contextlib.contextmanager
-def serve(workdir: Path, timeout_s: float = 240.0) -> Iterator[Served]:
-    """`sluice serve` on a free port with its own data dir, ready, tiny-llama priced."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port, data_dir, log = free_port(), workdir / "data", workdir / "serve.log"
-    args = ["serve", "--port", str(port), "--data-dir", str(data_dir), "--api-key", API_KEY]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sluice", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **SERVE_ENV})  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    served = Served(proc, base, data_dir, log, Admin(base, f"sqlite:///{data_dir}/sluice.db"))
-    try:
-        wait_ready(served, timeout_s)
+def serve(workdir: Path) -> Iterator[Served]:
+    """`sluice serve` with a scratch data dir and a short batch window, tiny-llama priced."""
+    with sluice_serve.serve(workdir, API_KEY, SERVE_ENV) as plain:
+        database_url = f"sqlite:///{plain.data_dir}/sluice.db"
+        served = Served(plain.proc, plain.base_url, plain.data_dir, plain.log,
+                        Admin(plain.base_url, database_url))  # fmt: skip
         served.admin.set_price()
         yield served
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_ready(served: Served, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{served.base_url}/readyz", timeout=2).status_code == 200:
-                return
-        if served.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"sluice serve is not ready:\n{served.log_tail()}")
-        time.sleep(0.3)
 
 
 # -- interactive requests ---------------------------------------------------------------------
@@ -172,7 +138,7 @@ def engine_kill(served: Served, quick: bool) -> list[Row]:
     bodies = [chat_body(f"Kill story {i}", 600, **greedy) for i in range(2)]
     bodies += [completion_body(f"Kill story {i}", 600, **greedy) for i in range(2, 4)]
     seen = [Seen() for _ in bodies]
-    victims = engine_pids(served.proc.pid)
+    victims = sluice_serve.engine_pids(served.proc.pid)
     if not victims:
         raise RuntimeError("no engine process under sluice serve")
 
@@ -186,26 +152,10 @@ def engine_kill(served: Served, quick: bool) -> list[Row]:
             await asyncio.gather(*tasks)
 
     asyncio.run(go())
-    wait_ready(served, 120)
+    sluice_serve.wait_ready(served, 120)
     row = served.admin.settle("kill -9 of the engine process mid-stream (serve)", tenant, seen)
     row.notes.insert(0, f"killed engine pids {sorted(victims)}")
     return [row]
-
-
-def engine_pids(parent: int) -> set[int]:
-    """The engine processes multiprocessing spawned under `parent`."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline:
-            pids.add(int(entry.name))
-    return pids
 
 
 # -- batches ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.sluice_serve import engine_pids
 from tests.e2e.procs import API_KEY, SluiceProcess, serving, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -23,24 +24,6 @@ MODEL = "tiny-llama"
 PROMPTS = [[5, 6, 7, 8], [1, 17, 42, 99, 7], [300, 12], [9, 9, 11, 40, 2, 3]]
 MAX_TOKENS = 600
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-def engine_pids(parent: int) -> set[int]:
-    """The engine processes: the children of `parent` that multiprocessing spawned (two
-    on a CPU host of two cores or more: `sluice.wiring.resolve_engine_replicas`)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"spawn_main" in cmdline:
-            pids.add(int(entry.name))
-    return pids
 
 
 @pytest.fixture

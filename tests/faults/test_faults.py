@@ -2,8 +2,9 @@
 
 Fewer requests per fault than the benchmark's 1,000 (CI runs on 2 cores); the same code.
 Goal for every row: nothing lost, no duplicated or missing tokens at the clients, the
-ledger equal to the engine's usage records and to the usage the clients were shown; a graceful fault (the rolling restart) fails
-nothing and bills each completed request exactly what its client got.
+ledger equal to the engine's usage records and to the usage the clients were shown; a
+graceful fault (the rolling restart) fails nothing and bills each completed request
+exactly what its client got.
 """
 
 from __future__ import annotations
@@ -13,30 +14,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults import FAULTS, render, run_fault
-from tests.services import service_missing
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleet_services")]
 
 REQUESTS = 300
-
-
-@pytest.fixture(scope="module", autouse=True)
-def services() -> None:
-    import shutil
-
-    import sqlalchemy as sa
-
-    from benchmarks.faults import ADMIN_URL
-
-    try:
-        engine = sa.create_engine(ADMIN_URL)
-        with engine.connect():
-            pass
-        engine.dispose()
-    except Exception as exc:
-        service_missing(f"PostgreSQL at {ADMIN_URL}: {exc}")
-    if shutil.which("redis-server") is None:  # each fault runs a Redis of its own
-        service_missing("redis-server is not on PATH")
 
 
 # a row runs ~1 minute here; CI's slower cores once took past the suite's 300 s default

@@ -9,14 +9,12 @@ requests and kill -9s of an engine worker and of the gateway, mid-stream.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.money import render
-from tests.services import service_missing
 
 pytestmark = pytest.mark.slow
 
@@ -38,19 +36,8 @@ def test_ledger_equals_what_clients_were_shown_on_serve(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("fleet_services")
 def test_ledger_equals_what_clients_were_shown_on_kafka(tmp_path: Path) -> None:
-    import sqlalchemy as sa
-
     from benchmarks import money_fleet
-    from benchmarks.faults import ADMIN_URL
 
-    try:
-        engine = sa.create_engine(ADMIN_URL)
-        with engine.connect():
-            pass
-        engine.dispose()
-    except Exception as exc:
-        service_missing(f"PostgreSQL at {ADMIN_URL}: {exc}")
-    if shutil.which("redis-server") is None:  # the fleet runs a Redis of its own
-        service_missing("redis-server is not on PATH")
     _check(money_fleet.run(tmp_path, quick=True, only=None))

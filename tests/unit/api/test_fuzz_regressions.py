@@ -13,9 +13,8 @@ from fastapi.testclient import TestClient
 from tests.unit.api.fakes import FakeEngineWorker
 from tests.unit.api.test_chat_completions import CHAT
 from tests.unit.api.test_errors import assert_error
+from tests.unit.api.test_hostile_inputs import COMPLETION, RESPONSE
 
-COMPLETION: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-RESPONSE: dict[str, Any] = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
 ROUTES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
           ("/v1/responses", RESPONSE)]  # fmt: skip
 

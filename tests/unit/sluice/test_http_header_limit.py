@@ -8,18 +8,14 @@ as the second request of a kept-alive connection.
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
-from sluice.http_server import GatewayServer, build_server
+from sluice.http_server import GatewayServer
 from sluice.settings import GatewaySettings
-from tests.unit.api.conftest import API_KEY, gateway_settings
-from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
+from tests.unit.api.conftest import API_KEY
+from tests.unit.sluice.gateway_server import served_gateway
 
 LIMIT = 64 * 1024
 WAIT_S = 10.0
@@ -27,26 +23,9 @@ WAIT_S = 10.0
 
 @pytest.fixture
 def server() -> Iterator[GatewayServer]:
-    from api.app import create_app
-
     assert GatewaySettings.model_fields["max_header_bytes"].default == LIMIT
-    bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
-    engine = FakeEngineWorker(bus).start()
-    settings = gateway_settings(port=free_port(), max_header_bytes=LIMIT)
-    app = create_app(settings, bus, [served_model("tiny", max_model_len=256)])
-    server = build_server(app, settings)
-    thread = threading.Thread(target=server.run, name="gateway-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield server
-    server.should_exit = True
-    thread.join(10)
-    engine.stop()
-    bus.close()
+    with served_gateway(max_header_bytes=LIMIT) as (server, _):
+        yield server
 
 
 def head(size: int, *, close: bool = True) -> bytes:

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
-from sluice.http_server import GatewayServer, build_server
-from tests.unit.api.conftest import API_KEY, gateway_settings
-from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
+from sluice.http_server import GatewayServer
+from tests.unit.api.conftest import API_KEY
+from tests.unit.sluice.gateway_server import served_gateway
 
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 0.5
@@ -31,30 +27,12 @@ WAIT_S = 10.0
 
 @pytest.fixture
 def server() -> Iterator[GatewayServer]:
-    from api.app import create_app
-
-    bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
-    engine = FakeEngineWorker(bus).start()
-    settings = gateway_settings(
-        port=free_port(),
+    with served_gateway(
         header_timeout_s=HEADER_TIMEOUT_S,
         body_timeout_s=BODY_TIMEOUT_S,
         max_header_bytes=MAX_HEADER_BYTES,
-    )
-    app = create_app(settings, bus, [served_model("tiny", max_model_len=256)])
-    server = build_server(app, settings)
-    thread = threading.Thread(target=server.run, name="gateway-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield server
-    server.should_exit = True
-    thread.join(10)
-    engine.stop()
-    bus.close()
+    ) as (server, _):
+        yield server
 
 
 def _connect(server: GatewayServer) -> socket.socket:

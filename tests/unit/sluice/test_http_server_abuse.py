@@ -9,50 +9,32 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 
 import httpx
 
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
-from sluice.http_server import GatewayServer, build_server
-from tests.unit.api.conftest import API_KEY, gateway_settings
-from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
+from sluice.http_server import GatewayServer
+from tests.unit.api.conftest import API_KEY
+from tests.unit.api.fakes import FakeEngineWorker
+from tests.unit.sluice.gateway_server import served_gateway
 
 WAIT_S = 10.0  # far above every limit here: reaching it means the server never acted
 ATTACKER = "127.0.0.1"
 OTHER_PEER = "127.0.0.2"
 
 
-@contextmanager
 def gateway(
     engine_reply: str = "Hello world", **overrides: object
-) -> Iterator[tuple[GatewayServer, FakeEngineWorker]]:
+) -> AbstractContextManager[tuple[GatewayServer, FakeEngineWorker]]:
     """A served gateway (the given settings) on a memory bus, a fast fake engine behind."""
-    from api.app import create_app
-
-    bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
-    engine = FakeEngineWorker(bus, reply=engine_reply, step_s=0.0005).start()
-    settings = gateway_settings(port=free_port(), **overrides)
-    model = served_model("tiny", max_model_len=len(engine_reply) + 256)
-    server = build_server(create_app(settings, bus, [model]), settings)
-    thread = threading.Thread(target=server.run, name="gateway-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield server, engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        engine.stop()
-        bus.close()
+    return served_gateway(
+        reply=engine_reply,
+        step_s=0.0005,
+        max_model_len=len(engine_reply) + 256,
+        **overrides,
+    )
 
 
 def _connect(

@@ -1,0 +1,51 @@
+"""A gateway on a loopback port for the HTTP server's tests: `sluice.http_server` run in a
+thread over a memory bus, a fake engine worker behind it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from bus.memory import MemoryEventBus
+from bus.topics import TopicLayout
+from sluice.http_server import GatewayServer, build_server
+from tests.unit.api.conftest import gateway_settings
+from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
+
+START_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def served_gateway(
+    *,
+    reply: str = "Hello world",
+    step_s: float = 0.002,
+    max_model_len: int = 256,
+    **overrides: object,
+) -> Iterator[tuple[GatewayServer, FakeEngineWorker]]:
+    """The gateway serving model "tiny" (`max_model_len`) on a free port, its settings
+    `gateway_settings(**overrides)`, started; a fake engine answering `reply` a token per
+    `step_s`. Stopped, with the engine and the bus, on exit."""
+    from api.app import create_app
+
+    bus = MemoryEventBus()
+    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    engine = FakeEngineWorker(bus, reply=reply, step_s=step_s).start()
+    settings = gateway_settings(port=free_port(), **overrides)
+    model = served_model("tiny", max_model_len=max_model_len)
+    server = build_server(create_app(settings, bus, [model]), settings)
+    thread = threading.Thread(target=server.run, name="gateway-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server, engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+        bus.close()
