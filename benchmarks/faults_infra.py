@@ -201,6 +201,7 @@ class Fleet:
             "SLUICE_DATABASE_URL": proxied.render_as_string(hide_password=False),
             "SLUICE_ENGINE_GROUP_ID": f"engine-faults-{uuid.uuid4().hex[:6]}",
             "SLUICE_DATA_DIR": str(self.workdir / "data"),
+            "SLUICE_MODEL": "tiny-llama",  # the load's requests name it (faults_load.py)
             **self.env,
         }
         subprocess.run([sys.executable, "-m", "sluice", "migrate"], env=env, check=True,

@@ -232,6 +232,7 @@ def arm_env(arm: str, otlp_port: int) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("OTEL_") and k != "SLUICE_METRICS_ENABLED"
     }
+    env["SLUICE_MODEL"] = MODEL  # not the default model: this measures the telemetry's cost
     if arm == "off":
         env["SLUICE_METRICS_ENABLED"] = "false"
     else:

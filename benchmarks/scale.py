@@ -517,7 +517,10 @@ def run(
     """The whole benchmark; starts a Tansu when no bootstrap is given. `backend`:
     SLUICE_BACKEND of the workers (torch for a check of the harness without the sim)."""
     started = time.perf_counter()
-    env = {"SLUICE_DATA_DIR": str(data_dir or load_settings(CommonSettings).data_dir)}
+    env = {
+        "SLUICE_DATA_DIR": str(data_dir or load_settings(CommonSettings).data_dir),
+        "SLUICE_MODEL": "tiny-llama",  # the sim's tokenizer; the torch check's fast model
+    }
     if sim_preset:
         env["SLUICE_SIM_PRESET"] = sim_preset
     log_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-scale-"))

@@ -26,7 +26,6 @@ from engine.runner.model_runner import torch_dtype
 from engine.tokenizer import Tokenizer, TokenizerError
 
 PRESETS = ("tiny-llama", SMOLLM2)
-DEFAULT_MODEL = SMOLLM2  # what `sluice serve` serves without --model
 
 
 class ModelLoadError(Exception):

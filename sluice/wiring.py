@@ -7,7 +7,6 @@ gateway, engine worker and consumer code; only the adapters chosen here differ.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import socket
@@ -123,29 +122,40 @@ def resolve_dtype(settings: ModelSettings, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")  # a checkpoint's weight files
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # a checkpoint's weight files
 
 
 def model_dir(settings: Settings) -> Path:
-    from engine.loader import resolve_model_dir
+    """The configured model's path (a preset's, created on first use): a Hugging Face
+    directory or a GGUF file. A model that is not there, or that the engine cannot run,
+    raises SettingsError in one line (`sluice.cli.main` prints it, no traceback)."""
+    from engine.loader import ModelLoadError, resolve_model_dir
+    from engine.model_files import ModelFilesError, model_config
 
-    return resolve_model_dir(settings.model, settings.data_dir)
+    try:
+        path = resolve_model_dir(settings.model, settings.data_dir)
+        model_config(path)  # a missing config.json, or a GGUF the engine cannot run
+    except (ModelLoadError, ModelFilesError, OSError, ValueError) as exc:
+        raise SettingsError(f"SLUICE_MODEL (--model) {settings.model!r}: {exc}") from exc
+    return path
 
 
 def served_max_model_len(settings: Settings, path: Path) -> int:
     """The engine's limit, capped by what the checkpoint's positions allow."""
-    config = json.loads((path / "config.json").read_text())
+    from engine.model_files import model_config
+
+    config = model_config(path)
     positions = int(config.get("max_position_embeddings") or settings.max_model_len)
     return min(settings.max_model_len, positions)
 
 
 def served_model(settings: Settings, tokenizer: Any | None = None) -> ServedModel:
     """The model as the gateway serves it; loads only the tokenizer when none is given."""
-    from engine.tokenizer import Tokenizer
+    from engine.model_files import load_tokenizer
 
     path = model_dir(settings)
     if tokenizer is None:
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = load_tokenizer(path)
     return ServedModel(
         name=settings.model_name,
         max_model_len=served_max_model_len(settings, path),
@@ -206,10 +216,15 @@ def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
 
 def _copies_fit(model: Path, copies: int) -> bool:
     """`copies` of the checkpoint in directory `model`, each perhaps widened to fp32 (x2),
-    within a quarter of the host's memory; a preset's (not a directory) is small."""
-    if not model.is_dir():
+    within a quarter of the host's memory; a GGUF's weights de-quantize to fp32 (up to x8
+    of a 4-bit file); a preset's (a name, not a path) is small."""
+    if model.is_file() and model.suffix == ".gguf":
+        weights = model.stat().st_size * 4  # x2 below: 4 bits -> 32
+    elif model.is_dir():
+        files = [f for f in model.iterdir() if f.suffix in WEIGHT_SUFFIXES]
+        weights = sum(f.stat().st_size * (4 if f.suffix == ".gguf" else 1) for f in files)
+    else:
         return True
-    weights = sum(f.stat().st_size for f in model.iterdir() if f.suffix in WEIGHT_SUFFIXES)
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return copies * weights * 2 <= memory / 4
 
@@ -324,7 +339,7 @@ def build_sim_backend(settings: Settings) -> SimEngineBackend:
     max_model_len (the gateway tokenizes as usual); SLUICE_MAX_NUM_SEQS and
     SLUICE_MAX_NUM_BATCHED_TOKENS override the preset's only when set."""
     from engine.backends.sim_backend import SIM_PRESETS, SimEngineBackend
-    from engine.tokenizer import Tokenizer
+    from engine.model_files import load_tokenizer
 
     preset = SIM_PRESETS.get(settings.sim_preset)
     if preset is None:
@@ -343,7 +358,7 @@ def build_sim_backend(settings: Settings) -> SimEngineBackend:
     return SimEngineBackend(
         preset,
         max_model_len=served_max_model_len(settings, path),
-        tokenizer=Tokenizer.from_dir(path),
+        tokenizer=load_tokenizer(path),
     )
 
 
@@ -351,7 +366,7 @@ def build_upstream_backend(settings: Settings) -> UpstreamEngineBackend:
     """The upstream backend over SLUICE_UPSTREAM_URLS; the gateway tokenizes with the
     configured model's tokenizer, which must be the upstream model's."""
     from engine.backends.upstream_backend import UpstreamEngineBackend
-    from engine.tokenizer import Tokenizer
+    from engine.model_files import load_tokenizer
 
     if not settings.upstream_urls:
         raise SettingsError(
@@ -364,7 +379,7 @@ def build_upstream_backend(settings: Settings) -> UpstreamEngineBackend:
         settings.upstream_model,
         api_key=settings.upstream_api_key,
         max_model_len=served_max_model_len(settings, path),
-        tokenizer=Tokenizer.from_dir(path),
+        tokenizer=load_tokenizer(path),
         max_num_seqs=settings.max_num_seqs,
         dialect=settings.upstream_dialect,
         health_path=settings.upstream_health_path,

@@ -15,6 +15,12 @@ from bus.tansu import TansuBroker
 from sluice.settings import BusSettings, load_settings
 from tests.services import port_open, service_missing
 
+# The suite runs on the fast `tiny-llama` preset: every settings object built here and every
+# `sluice` process a test starts (they inherit this environment) serves it unless the test
+# names another model; the default, smollm2-135m-instruct, takes seconds to load and steps
+# far slower. Tests of the default model set SLUICE_MODEL themselves.
+os.environ.setdefault("SLUICE_MODEL", "tiny-llama")
+
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
