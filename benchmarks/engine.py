@@ -9,7 +9,9 @@ model is the tiny-llama machinery with a config override (hidden 512, 8 layers, 
 CPU build (`scripts/peers vllm`) runs mixed and batch-1 in its own process, its reps
 interleaved with Sluice's.
 
-`python -m benchmarks.engine [--quick] [--model DIR] [--dtype bfloat16] [--vllm] [--json]`
+`python -m benchmarks.engine [--quick] [--model DIR|FILE.gguf] [--dtype bfloat16] [--vllm] [--json]`
+(a GGUF model is de-quantized into `--dtype` on Sluice's and HF's side; llama.cpp, when
+installed, runs the file as it is)
 """
 
 from __future__ import annotations
@@ -297,8 +299,8 @@ def run(
         path = resolve_model_dir(
             "tiny-llama", data_dir or load_settings(CommonSettings).data_dir, BENCH_MODEL
         )
-    else:
-        path = Path(model)
+    else:  # a directory, a .gguf file or a preset name (smollm2-135m-instruct)
+        path = resolve_model_dir(model, data_dir)
     lm = load_model(path, dtype=dtype)
     work = bench_workloads(quick, lm.config.vocab_size)
     skipped: dict[str, str] = {}
@@ -307,6 +309,8 @@ def run(
     hf = peers.load_hf(path, lm.dtype)
     vocab = lm.config.vocab_size
     ggufs = {k: Path(v) for k, v in (("llama_cpp", gguf), ("llama_cpp_q8_0", gguf_q8)) if v}
+    if path.suffix == ".gguf" and not gguf:  # llama.cpp on the file itself, in its own types
+        ggufs["llama_cpp"] = path
     ready = None
     if peer is not None:
         try:
@@ -415,7 +419,7 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (< 2 minutes)")
-    ap.add_argument("--model", help="a Hugging Face model directory (default: bench preset)")
+    ap.add_argument("--model", help="a HF model directory or .gguf file (default: bench preset)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--data-dir", help="where the preset model is created (default ~/.sluice)")

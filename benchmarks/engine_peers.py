@@ -18,9 +18,13 @@ import torch
 
 
 def load_hf(path: Path, dtype: torch.dtype) -> Any:
+    """`path`: a model directory, or a .gguf file (transformers de-quantizes it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    where = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent if where else path, dtype=dtype, attn_implementation="sdpa", **where
+    )
     model.generation_config.eos_token_id = None  # random weights: lengths must be exact
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -119,7 +119,10 @@ def bench_engine(
     quick: Annotated[bool, typer.Option(help="A smaller run (under two minutes).")] = False,
     model: Annotated[
         str | None,
-        typer.Option(help="A Hugging Face model directory.", show_default="h512 L8 preset"),
+        typer.Option(
+            help="A Hugging Face model directory, a .gguf file or a preset name.",
+            show_default="h512 L8 preset",
+        ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32, the same on every side.")] = (
         "bfloat16"
