@@ -84,7 +84,7 @@ class GGUFCheckpoint:
         self.path = path
         try:
             self._reader = GGUFReader(path)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # a truncated or foreign file fails anywhere in the parse
             raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
         arch = self.value("general.architecture")
         if arch not in ARCHITECTURES:
@@ -114,6 +114,12 @@ class GGUFCheckpoint:
     def _arch(self, key: str, default: Any = None) -> Any:
         return self.value(f"{self.architecture}.{key}", default)
 
+    def _required(self, key: str) -> int:
+        value = self._arch(key)
+        if value is None:
+            raise GGUFError(f"{self.path.name} lacks {self.architecture}.{key}")
+        return int(value)
+
     def _hf_name(self, name: str) -> str | None:
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
@@ -129,8 +135,8 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """The file's hyper-parameters under Hugging Face config.json names."""
-        n_heads = int(self._arch("attention.head_count"))
-        hidden = int(self._arch("embedding_length"))
+        n_heads = self._required("attention.head_count")
+        hidden = self._required("embedding_length")
         head_dim = int(self._arch("attention.key_length", hidden // n_heads))
         rotary = int(self._arch("rope.dimension_count", head_dim))
         if rotary != head_dim:
@@ -146,8 +152,8 @@ class GGUFCheckpoint:
             "model_type": ARCHITECTURES[self.architecture],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(self._arch("feed_forward_length")),
-            "num_hidden_layers": int(self._arch("block_count")),
+            "intermediate_size": self._required("feed_forward_length"),
+            "num_hidden_layers": self._required("block_count"),
             "num_attention_heads": n_heads,
             "num_key_value_heads": int(self._arch("attention.head_count_kv", n_heads)),
             "head_dim": head_dim,

@@ -131,10 +131,11 @@ def _load_gguf(
     tensor de-quantized (float32) and then cast to the compute dtype, one at a time."""
     try:
         ckpt = open_gguf(path)
-        raw = ckpt.hf_config()
-        cfg = LlamaConfig.from_hf(raw)
+        cfg = LlamaConfig.from_hf(ckpt.hf_config())
         tokenizer = ckpt.tokenizer()
-    except (ModelFilesError, UnsupportedModelError, KeyError, TypeError) as e:
+    except ModelFilesError as e:  # names the file already
+        raise ModelLoadError(str(e)) from e
+    except (UnsupportedModelError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
     generation = GenerationDefaults(
         eos_token_ids=ckpt.eos_token_ids or tokenizer.eos_token_ids,
