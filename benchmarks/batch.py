@@ -103,7 +103,9 @@ def direct_engine(data_dir: Path) -> tuple[runs.DirectClient, Any, dict[str, Any
     from sluice import wiring
     from sluice.settings import EngineWorkerSettings, load_settings
 
-    settings = load_settings(EngineWorkerSettings, data_dir=data_dir, engine_process=False)
+    settings = load_settings(
+        EngineWorkerSettings, data_dir=data_dir, engine_process=False, model=MODEL
+    )
     options = wiring.engine_options(settings)
     apply_switch_interval(options)
     apply_process_options(options)

@@ -17,6 +17,9 @@ import httpx
 
 from bus.tansu import free_port
 
+# the benchmarks' requests name tiny-llama (fast, random weights), not the default model
+MODEL_ENV = {"SLUICE_MODEL": "tiny-llama"}
+
 
 @dataclass(slots=True)
 class Served:
@@ -44,7 +47,7 @@ def serve(
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sluice", *args], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})  # fmt: skip
+                                env={**os.environ, **MODEL_ENV, **(env or {})})  # fmt: skip
     served = Served(proc, f"http://127.0.0.1:{port}", data_dir, log)
     try:
         wait_ready(served, timeout_s)
