@@ -19,6 +19,7 @@ from api.served import ModelCatalog, ServedModel
 from api.service import GatewayService
 from api.tenancy import GatewayAdmission
 from bus.messages import GenerateRequest, SamplingSpec
+from tracing.metrics import count_admission
 
 
 class RequestRateGate:
@@ -50,6 +51,7 @@ class RequestRateGate:
         new_tat = tat + (self.WINDOW_S / limits.rpm if limits.rpm else math.inf)
         wait_s = new_tat - self.WINDOW_S - now
         if wait_s > 0:
+            count_admission("rejected", "requests")  # as admission labels an rpm refusal
             retry_s = str(max(1, math.ceil(min(wait_s, self.WINDOW_S))))
             raise RateLimited(
                 f"Rate limit reached on requests per minute. Retry after {retry_s}s.",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
 PROMPTS = [[5, 6, 7, 8], [1, 17, 42, 99, 7], [300, 12], [9, 9, 11, 40, 2, 3]]
-MAX_TOKENS = 600
+MAX_TOKENS = 1500  # long enough that no stream ends before every one has started
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
@@ -72,7 +72,7 @@ def test_a_killed_engine_restarts_and_every_stream_completes(
         for s in streams:
             s.start()
         deadline = time.monotonic() + 60
-        while not all(s.chunks >= 5 for s in streams):
+        while not all(s.chunks >= 1 for s in streams):
             assert time.monotonic() < deadline, "the streams did not start"
             assert not any(s.finish for s in streams), "a stream ended before the kill"
             time.sleep(0.005)
