@@ -495,10 +495,12 @@ class RequestFlow:
             attempt,
             tokens,
         )
-        self.publisher.publish_usage(superseded_usage(item, attempt, tokens))
-        self.publisher.publish_telemetry(
-            superseded_telemetry(item, attempt, tokens, self.worker_id), item.trace_headers
-        )
+        usage = superseded_usage(item, attempt, tokens, ended=start.finished)
+        self.publisher.publish_usage(usage)
+        if not start.finished:  # a finished attempt's own telemetry most likely went out
+            self.publisher.publish_telemetry(
+                superseded_telemetry(item, attempt, tokens, self.worker_id), item.trace_headers
+            )
 
     def _start_blocker(self, item: WorkItem, start: AttemptStart) -> EndReason | None:
         """Why the attempt that just began ends before it runs, if it does."""

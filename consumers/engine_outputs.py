@@ -239,17 +239,25 @@ def usage_record(item: WorkItem, delta: EngineDelta, timings: Timings) -> UsageR
     )
 
 
-def superseded_usage(item: WorkItem, attempt: int, completion_tokens: int) -> UsageRecord:
-    """The usage of an earlier attempt that ended without ending the request (its worker
-    was killed, lost the request or was fenced; its engine died): the tokens the
+def superseded_usage(
+    item: WorkItem, attempt: int, completion_tokens: int, *, ended: bool = False
+) -> UsageRecord:
+    """The usage of an earlier attempt whose own record may never come: the tokens the
     progress store confirms it published, which the client received and the attempt
-    resuming it does not generate again. No prompt: the attempt that ends the request
-    bills it once (`billed_prompt`); the prompt recomputed by each attempt is the
-    operator's cost. Marked `estimated`: should the attempt's own record arrive too, the
-    ledger keeps one row per attempt."""
+    resuming it does not generate again. An attempt that ended without ending the request
+    (its worker killed, lost the request or was fenced; its engine dead) bills no prompt:
+    the attempt that ends the request bills it once (`billed_prompt`), and the prompt each
+    attempt recomputes is the operator's cost. One that `ended` the request (its worker
+    died between recording the finish and publishing its usage) bills the prompt too, its
+    cached part unknown. Marked `estimated`: should the attempt's own record arrive too,
+    the ledger keeps that one."""
     request = item.request
     timings = Timings(queued_ms=request.created_ms or item.received_ms, finished_ms=now_ms())
-    usage = _usage(item, attempt, 0, 0, completion_tokens, "error", timings)
+    prompt = len(request.prompt_token_ids) if ended and request.bill_prompt else 0
+    finish: FinishReason = "error"
+    if ended:
+        finish = "length" if completion_tokens >= request.sampling.max_tokens else "stop"
+    usage = _usage(item, attempt, prompt, 0, completion_tokens, finish, timings)
     return usage.model_copy(update={"estimated": True})
 
 

@@ -3,8 +3,9 @@
 Sits behind the engine worker's delta stream. `publish_step` publishes at once (the bus
 keeps per-key order, so steps go out in order without waiting for each other); a single
 confirm task then awaits each step's publishes in order, retries any the bus did not
-confirm, records the step's progress (one pipelined call), and hands the finished
-requests back to the worker, whose offsets only then become committable. Telemetry is
+confirm, records the step's progress (one pipelined call), publishes the usage records
+of the attempts the step finished (`_confirm_usage`), and hands the finished requests
+back to the worker, whose offsets only then become committable. Telemetry is
 best effort: it never holds back a commit.
 
 Mid-stream deltas of a reply target go out at most once per `reply_interval_s`: a step
@@ -55,6 +56,7 @@ class _Step:
     sends: list[_Send] = field(default_factory=list)
     progress: list[StepProgress] = field(default_factory=list)
     finished: list[WorkItem] = field(default_factory=list)
+    usage: list[UsageRecord] = field(default_factory=list)  # sent once progress is recorded
 
 
 @dataclass(slots=True)
@@ -105,7 +107,7 @@ class StepPublisher:
             raise RuntimeError("StepPublisher.bind() first")
         out = build_step(pairs, self.worker_id)
         self._observe(pairs, out.usage)
-        step = _Step(finished=out.finished)
+        step = _Step(finished=out.finished, usage=out.usage)
         now = loop.time()
         targets = {item.request_id: item.request.reply_to for item, _ in pairs}
         finished = {item.request_id for item in out.finished}
@@ -127,13 +129,11 @@ class StepPublisher:
             if urgent or now >= self._held[target].due:
                 self._release(target, step)
         self._arm_timer()
-        for usage in out.usage:
-            step.sends.append(self._send(USAGE_TOPIC, encode(usage), usage.tenant_id))
         if out.telemetry:
             headers = {item.request_id: item.trace_headers for item in out.finished}
             for record in out.telemetry:
                 self.publish_telemetry(record, headers.get(record.request_id, []))
-        if step.sends or step.progress or step.finished:
+        if step.sends or step.progress or step.finished or step.usage:
             queue.put_nowait(step)
 
     def _observe(self, pairs: list[tuple[WorkItem, EngineDelta]], usage: list[UsageRecord]) -> None:
@@ -203,6 +203,7 @@ class StepPublisher:
             try:
                 await self._confirm(step)
                 fenced = await self._record(step.progress)
+                await self._confirm_usage(step.usage)
                 self._on_confirmed(step.finished, fenced)
             except asyncio.CancelledError:
                 raise
@@ -228,6 +229,15 @@ class StepPublisher:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self._max_backoff_s)
                     send.future = self.bus.publish(send.topic, send.value, key=send.key)
+
+    async def _confirm_usage(self, usage: list[UsageRecord]) -> None:
+        """A step's usage records go out once its progress is recorded: a worker killed
+        in between leaves the finish recorded and no record, which the resumer estimates
+        (`engine_flow._bill_superseded`); the other order left the record and no finish,
+        and the resumer ran the finished request again, billing it twice."""
+        sends = [self._send(USAGE_TOPIC, encode(r), r.tenant_id) for r in usage]
+        if sends:
+            await self._confirm(_Step(sends=sends))
 
     async def _record(self, progress: list[StepProgress]) -> set[str]:
         if not progress:

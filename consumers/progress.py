@@ -48,10 +48,11 @@ class AttemptStart:
     token_ids / text_len: what earlier attempts published (confirmed by the bus), which
     the new attempt continues from; finished: an earlier attempt already published the
     terminal delta, so there is nothing left to do. superseded: (attempt, tokens) of the
-    unfinished attempt this one replaces, when that one published tokens since it
-    began: its worker died or lost the request, so its usage record may never come (a
-    kill -9); the caller publishes one from these counts (the ledger keeps one row per
-    attempt, so a late record from a live zombie changes nothing).
+    attempt this one replaces (or, when finished, the one that finished the request),
+    when that one published tokens since it began: its worker died or lost the request,
+    so its usage record may never come (a kill -9, also between recording the finish and
+    publishing the usage); the caller publishes one from these counts, which the
+    attempt's own record replaces should it come (one ledger row per attempt).
     """
 
     attempt: int
@@ -142,12 +143,13 @@ class MemoryProgressStore:
                 superseded = None
                 if entry is None:
                     entry = self._entries[request_id] = _Progress(min_attempt)
-                elif not entry.finished:
+                else:
                     published = len(entry.token_ids) - entry.start
                     if published > 0:
                         superseded = (entry.attempt, published)
-                    entry.attempt = max(entry.attempt + 1, min_attempt)
-                    entry.start = len(entry.token_ids)
+                    if not entry.finished:
+                        entry.attempt = max(entry.attempt + 1, min_attempt)
+                        entry.start = len(entry.token_ids)
                 self._entries.move_to_end(request_id)
                 out.append(
                     AttemptStart(
@@ -193,10 +195,10 @@ local attempt = tonumber(ARGV[1])
 local prev, published = -1, 0
 if cur then
   attempt = tonumber(cur)
+  local n = redis.call('LLEN', KEYS[2])
+  published = n - tonumber(redis.call('HGET', KEYS[1], 'start') or '0')
+  if published > 0 then prev = attempt end
   if finished == 0 then
-    local n = redis.call('LLEN', KEYS[2])
-    published = n - tonumber(redis.call('HGET', KEYS[1], 'start') or '0')
-    if published > 0 then prev = attempt end
     attempt = math.max(attempt + 1, tonumber(ARGV[1]))
     redis.call('HSET', KEYS[1], 'start', n)
   end

