@@ -26,7 +26,8 @@ from sluice.settings import EngineWorkerSettings, GatewaySettings, load_settings
 
 
 def main(source: Path, output: Path, data_dir: Path) -> dict[str, object]:
-    overrides = {"data_dir": data_dir, "log_level": "WARNING"}
+    # the model the suite's lines name, whatever the default
+    overrides = {"data_dir": data_dir, "log_level": "WARNING", "model": "tiny-llama"}
     gateway_settings = load_settings(GatewaySettings, **overrides)
     worker_settings = load_settings(EngineWorkerSettings, **overrides)
     served = wiring.served_model(gateway_settings)
