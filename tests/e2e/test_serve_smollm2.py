@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.model_files import SMOLLM2, ModelFilesError, load_tokenizer, smollm2_gguf
+from engine.model_files import SMOLLM2, load_tokenizer
 from tests.e2e.procs import API_KEY, serving
 
 pytestmark = pytest.mark.slow
@@ -22,14 +22,6 @@ PROMPTS = [
     "Translate 'thank you' into Japanese.",
     "Reply with three emoji that describe a sunny day.",
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    try:
-        return smollm2_gguf()
-    except ModelFilesError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from engine.backends.base import EngineDelta, EngineRequest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 from engine.loader import LoadedModel, load_model
-from engine.model_files import SMOLLM2, ModelFilesError, smollm2_gguf
+from engine.model_files import SMOLLM2
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 
@@ -48,14 +48,6 @@ TOKENIZER_TEXTS = [
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
     "x = {'a': [1, 22, 333]}  # it's they're we've",
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    try:
-        return smollm2_gguf()
-    except ModelFilesError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
