@@ -22,8 +22,32 @@ class Message(BaseModel):
     schema_version: Literal[1] = 1
 
 
+class StructuredSpec(BaseModel):
+    """A constraint on the output, as it travels: the engine compiles it into a grammar
+    (`engine/structured.py`); the upstream backend passes it on in its peer's dialect.
+
+    kind → value: `json_object` → "" (any JSON object); `json_schema` → the schema as JSON
+    text; `regex` → the pattern; `choice` → a JSON list of the allowed strings; `grammar`
+    → a Lark grammar (llguidance's dialect). `after`: the constraint starts once the output
+    holds this text (the end of a reasoning block, e.g. "</think>"); None: from the first
+    token.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    value: str = ""
+    after: str | None = None
+
+
 class SamplingSpec(BaseModel):
-    """Sampling parameters as they travel; the engine worker maps them to its own."""
+    """Sampling parameters as they travel; the engine worker maps them to its own.
+
+    Penalties and `logit_bias` as vLLM defines them: frequency and presence penalties count
+    the output tokens, the repetition penalty prompt and output tokens; `logit_bias` maps
+    token ids to values in [-100, 100] added to the logits. `prompt_logprobs`: the logprob
+    of every prompt token (and the N most likely at each position), for completions' echo.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +61,12 @@ class SamplingSpec(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
 
 class GenerateRequest(Message):

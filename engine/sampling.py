@@ -21,6 +21,17 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range (permanent: the request is wrong)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match (`engine.structured` compiles it): kind is json_object,
+    json_schema, regex, choice or grammar (bus.messages.StructuredSpec says what value
+    holds for each); after: the constraint starts once the output holds this text."""
+
+    kind: str
+    value: str = ""
+    after: str | None = None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling controls, vLLM/OpenAI semantics.
@@ -42,6 +53,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.top_k < 0:
