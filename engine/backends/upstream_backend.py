@@ -17,6 +17,12 @@ the backend as a dead engine would (in-flight requests end with a retryable 'err
 `health()` turns False, `deltas()` ends); `restart()` waits for an upstream to answer
 again, so the engine worker resumes them there as after an engine restart.
 
+A constrained request (`SamplingParams.constraint`) cannot move mid-output: the peer
+would start its grammar afresh on the continuation. One that fails before any of its
+output was emitted starts again from zero on another upstream; one that fails after ends
+with 'error' (a 500 the client may retry), not marked `retryable`, since the worker would
+only resume it mid-grammar again; a worker resume of one (`num_resumed_tokens`) is refused.
+
 abort closes the request's stream (its task is cancelled). The upstreams' KV caches are
 not visible from here: `stats().kv_usage` stays 0 and `num_kv_blocks` counts request
 slots (`max_num_seqs` per upstream); backpressure comes from the worker's in-flight cap.
@@ -41,23 +47,26 @@ from engine.backends.base import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    RequestRejectedError,
     call_on_loop,
     check_request,
     queued_batches,
     terminal_delta,
 )
+from engine.sampling import Constraint
 
-__all__ = ["UpstreamEngineBackend", "completion_body"]
+__all__ = ["Dialect", "UpstreamEngineBackend", "completion_body", "structured_body"]
 
 logger = logging.getLogger(__name__)
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
-# How an upstream hands back token ids. 'vllm' (vLLM, SGLang, sluice serve): with
-# `return_token_ids`, each streamed choice carries `token_ids` beside its text.
-# 'trtllm' (trtllm-serve): its requests forbid unknown fields and give token ids only
-# with `detokenize: false` (and then no text), so the text and stop strings are done here.
-Dialect = Literal["vllm", "trtllm"]
+# How an upstream hands back token ids. 'vllm' (vLLM, sluice serve) and 'sglang': with
+# `return_token_ids`, each streamed choice carries `token_ids` beside its text; the two
+# differ only in how a constraint is named (`structured_body`). 'trtllm' (trtllm-serve):
+# its requests forbid unknown fields and give token ids only with `detokenize: false`
+# (and then no text), so the text and stop strings are done here.
+Dialect = Literal["vllm", "sglang", "trtllm"]
 
 
 class _UpstreamFailed(Exception):
@@ -84,6 +93,7 @@ class _Live:
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     done: bool = False
+    delivered: bool = False  # a delta of its output was emitted (the client may have it)
     detokenizer: Any = None  # the 'trtllm' dialect's: text and stop strings made here
 
 
@@ -98,11 +108,14 @@ def completion_body(
 
     Sent: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens,
     ignore_eos (vLLM, SGLang and `sluice serve` take them all; OpenAI-only servers ignore
-    the extras), cache_salt (vLLM's per-tenant prefix-cache salt). Dropped: logprobs
-    (the stream's logprobs are strings, not ids) and priority (vLLM refuses priorities
-    unless its scheduler runs the priority policy). The 'trtllm' dialect sends
-    `detokenize: false` instead of return_token_ids, and neither stop strings (matched
-    here, on text decoded here) nor cache_salt (not in its schema).
+    the extras), cache_salt (vLLM's per-tenant prefix-cache salt), the penalties and
+    logit_bias when set (all three peers take them; a resumed attempt's penalties see the
+    earlier output as prompt, so frequency and presence counts start again), and the
+    constraint (`structured_body`). Dropped: logprobs and prompt_logprobs (the stream's
+    logprobs are strings, not ids) and priority (vLLM refuses priorities unless its
+    scheduler runs the priority policy). The 'trtllm' dialect sends `detokenize: false`
+    instead of return_token_ids, and neither stop strings (matched here, on text decoded
+    here) nor cache_salt (not in its schema).
     """
     params = request.sampling_params
     body: dict[str, Any] = {
@@ -133,7 +146,92 @@ def completion_body(
         body["ignore_eos"] = True
     if request.cache_salt and dialect != "trtllm":
         body["cache_salt"] = request.cache_salt
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.logit_bias:
+        body["logit_bias"] = {str(t): bias for t, bias in params.logit_bias.items()}
+    if params.constraint is not None:
+        body.update(structured_body(params.constraint, dialect))
     return body
+
+
+def structured_body(constraint: Constraint, dialect: Dialect) -> dict[str, Any]:
+    """The body fields that carry `constraint` to a peer of `dialect`; raises
+    RequestRejectedError for what that peer cannot take (a permanent error).
+
+    vllm: `structured_outputs` {json | regex | choice | grammar | json_object} (vLLM
+    0.10+; Lark grammars go as they are, its xgrammar backend converts them). sglang:
+    `json_schema` (text) or `regex`; a choice becomes a regex. trtllm: `response_format`
+    {"type": "json", "schema"} / {"type": "json_object"} / {"type": "regex", "regex"}
+    (trtllm-serve needs `guided_decoding_backend` set); a choice becomes a regex.
+    SGLang and trtllm-serve read grammars as GBNF (xgrammar's EBNF), not Lark: refused.
+    `after` (a reasoning block first) is not sent: vLLM and SGLang hold the grammar off
+    until the end of reasoning themselves when started with a `--reasoning-parser` whose
+    end marker is `after`; trtllm-serve's completions have no such parser: refused.
+    """
+    kind, value = constraint.kind, constraint.value
+    if dialect == "trtllm" and constraint.after is not None:
+        raise RequestRejectedError(
+            "trtllm-serve's completions cannot start a constraint after a reasoning block"
+        )
+    if kind == "grammar" and dialect != "vllm":
+        raise RequestRejectedError(
+            f"the '{dialect}' upstream reads grammars as GBNF, not Lark: grammar constraints"
+            " need a vLLM upstream or Sluice's own engine"
+        )
+    schema: Any = None
+    choices: list[str] = []
+    try:
+        if kind == "json_schema":
+            schema = json.loads(value)
+        elif kind == "choice":
+            choices = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise RequestRejectedError(f"{kind} constraint is not valid JSON: {exc}") from None
+    if kind == "choice" and not (
+        isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)
+    ):
+        raise RequestRejectedError("a choice constraint is a non-empty JSON list of strings")
+    if dialect == "vllm":
+        field_value: Any = {
+            "json_object": True,
+            "json_schema": schema,
+            "regex": value,
+            "choice": choices,
+            "grammar": value,
+        }.get(kind)
+        if field_value is None:
+            raise RequestRejectedError(f"unknown constraint kind {kind!r}")
+        name = "json" if kind == "json_schema" else kind
+        return {"structured_outputs": {name: field_value}}
+    regex = _choice_regex(choices) if kind == "choice" else value
+    if dialect == "sglang":
+        if kind == "json_object":
+            return {"json_schema": json.dumps({"type": "object"})}
+        if kind == "json_schema":
+            return {"json_schema": value}
+        if kind in ("regex", "choice"):
+            return {"regex": regex}
+    else:  # trtllm
+        if kind == "json_object":
+            return {"response_format": {"type": "json_object"}}
+        if kind == "json_schema":
+            return {"response_format": {"type": "json", "schema": schema}}
+        if kind in ("regex", "choice"):
+            return {"response_format": {"type": "regex", "regex": regex}}
+    raise RequestRejectedError(f"unknown constraint kind {kind!r}")
+
+
+def _choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (only metacharacters escaped: the
+    peers' regex engines are not Python's, and `re.escape` escapes more)."""
+    special = set("\\.^$*+?()[]{}|")
+    escaped = ("".join("\\" + c if c in special else c for c in choice) for choice in choices)
+    return "(" + "|".join(escaped) + ")"
 
 
 class UpstreamEngineBackend:
@@ -280,6 +378,14 @@ class UpstreamEngineBackend:
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
         check_request(request, self.max_model_len, self.vocab_size)
+        constraint = request.sampling_params.constraint
+        if constraint is not None:
+            structured_body(constraint, self.dialect)  # refused now, not on the loop
+            if request.num_resumed_tokens:
+                raise RequestRejectedError(
+                    "a constrained output cannot resume on an upstream: the peer would"
+                    " start its grammar afresh mid-output"
+                )
         self._call(self._add, request, dead_error=True)
 
     def abort(self, request_id: str) -> None:
@@ -391,6 +497,7 @@ class UpstreamEngineBackend:
         loop = asyncio.get_running_loop()
         when = None if deadline is None else loop.time() + (deadline - time.monotonic())
         failure: Exception | None = None
+        constrained = request.sampling_params.constraint is not None
         try:
             async with asyncio.timeout_at(when):
                 for _ in range(self.max_resumes + 1):
@@ -404,7 +511,6 @@ class UpstreamEngineBackend:
                     except _UpstreamFailed as exc:
                         failure = exc
                         upstream.healthy = False
-                        self.num_resumes += 1
                         logger.warning(
                             "request_id=%s upstream %s failed after %s tokens: %s",
                             request.request_id,
@@ -412,6 +518,9 @@ class UpstreamEngineBackend:
                             len(live.token_ids),
                             exc,
                         )
+                        if constrained and live.delivered:
+                            break  # its grammar state stays on the failed peer
+                        self.num_resumes += 1
                     finally:
                         upstream.num_in_flight -= 1
         except TimeoutError:
@@ -424,6 +533,13 @@ class UpstreamEngineBackend:
             logger.exception("request_id=%s failed in the upstream backend", request.request_id)
             self._finish(live, "error", f"{type(exc).__name__}: {exc}")
             return
+        if constrained and live.delivered:
+            self._finish(
+                live,
+                "error",
+                f"the upstream failed after {len(live.token_ids)} tokens of a constrained"
+                f" output, which cannot continue on another upstream ({failure}); retry it",
+            )
         if self._pick() is None:
             self._die(failure or RuntimeError("no healthy upstream"))
         else:
@@ -507,6 +623,7 @@ class UpstreamEngineBackend:
         self._finish(live, finish, stop_reason=stop_reason)
 
     def _emit(self, live: _Live, token_ids: list[int], text: str) -> None:
+        live.delivered = True
         live.token_ids.extend(token_ids)
         self._num_generated += len(token_ids)
         self._publish([EngineDelta(live.request.request_id, token_ids, text)])

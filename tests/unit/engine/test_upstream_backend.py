@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -17,9 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.backends.upstream_backend import UpstreamEngineBackend, completion_body
-from engine.sampling import SamplingParams
+from engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
+from engine.backends.upstream_backend import (
+    Dialect,
+    UpstreamEngineBackend,
+    completion_body,
+    structured_body,
+)
+from engine.sampling import Constraint, SamplingParams
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.unit.engine.backend_contract import (
     CHECKS,
@@ -401,3 +407,170 @@ def test_trtllm_dialect_decodes_text_and_matches_stop_strings_here() -> None:
     assert output_tokens(out) == [5, 6, 7, 8, 9, 10, 11, 12]
     assert "".join(d.text for d in out) == "<5><6><7><8><9><10><11>"
     assert (out[-1].finish_reason, out[-1].stop_reason) == ("stop", "<12>")
+
+
+# -- penalties, logit_bias and constraints in the peers' dialects ------------------------
+
+
+def _constrained(kind: str, value: str = "", after: str | None = None) -> SamplingParams:
+    constraint = Constraint(kind, value, after)
+    return SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, constraint=constraint)
+
+
+def _body(params: SamplingParams, dialect: Dialect = "vllm") -> dict[str, Any]:
+    return completion_body("m", [1, 2], EngineRequest("r", [1, 2], params), 0, dialect)
+
+
+def test_body_passes_penalties_and_logit_bias_when_set() -> None:
+    params = SamplingParams(
+        frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1, logit_bias={7: -100}
+    )
+    for dialect in ("vllm", "sglang", "trtllm"):
+        body = _body(params, dialect)
+        assert body["frequency_penalty"] == 0.5 and body["presence_penalty"] == -0.25
+        assert body["repetition_penalty"] == 1.1 and body["logit_bias"] == {"7": -100}
+    plain = _body(SamplingParams())
+    assert {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"}.isdisjoint(
+        plain
+    )
+    assert not {"structured_outputs", "response_format", "json_schema", "regex"} & set(plain)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CHOICES = ["yes", "no (1.5)"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "vllm", "sglang", "trtllm"),
+    [
+        (
+            "json_schema",
+            json.dumps(SCHEMA),
+            {"structured_outputs": {"json": SCHEMA}},
+            {"json_schema": json.dumps(SCHEMA)},
+            {"response_format": {"type": "json", "schema": SCHEMA}},
+        ),
+        (
+            "json_object",
+            "",
+            {"structured_outputs": {"json_object": True}},
+            {"json_schema": '{"type": "object"}'},
+            {"response_format": {"type": "json_object"}},
+        ),
+        (
+            "regex",
+            r"\d{3}",
+            {"structured_outputs": {"regex": r"\d{3}"}},
+            {"regex": r"\d{3}"},
+            {"response_format": {"type": "regex", "regex": r"\d{3}"}},
+        ),
+        (
+            "choice",
+            json.dumps(CHOICES),
+            {"structured_outputs": {"choice": CHOICES}},
+            {"regex": r"(yes|no \(1\.5\))"},
+            {"response_format": {"type": "regex", "regex": r"(yes|no \(1\.5\))"}},
+        ),
+    ],
+)
+def test_body_carries_the_constraint_in_each_dialect(
+    kind: str, value: str, vllm: Any, sglang: Any, trtllm: Any
+) -> None:
+    params = _constrained(kind, value)
+    for dialect, fields in (("vllm", vllm), ("sglang", sglang), ("trtllm", trtllm)):
+        body = _body(params, dialect)
+        assert {k: body[k] for k in fields} == fields, dialect
+
+
+def test_choice_regex_matches_exactly_the_choices() -> None:
+    pattern = structured_body(Constraint("choice", json.dumps(CHOICES)), "sglang")["regex"]
+    assert all(re.fullmatch(pattern, c) for c in CHOICES)
+    assert not re.fullmatch(pattern, "no (1x5)")
+
+
+def test_lark_grammars_go_to_vllm_only_and_after_not_to_trtllm() -> None:
+    grammar = 'start: "a" | "b"'
+    assert structured_body(Constraint("grammar", grammar), "vllm") == {
+        "structured_outputs": {"grammar": grammar}
+    }
+    assert structured_body(Constraint("json_object", after="</think>"), "vllm") == {
+        "structured_outputs": {"json_object": True}
+    }
+    refused = [
+        (Constraint("grammar", grammar), "sglang"),
+        (Constraint("grammar", grammar), "trtllm"),
+        (Constraint("json_object", after="</think>"), "trtllm"),
+        (Constraint("json_schema", "{not json"), "vllm"),
+        (Constraint("choice", "[]"), "vllm"),
+    ]
+    for constraint, dialect in refused:
+        with pytest.raises(RequestRejectedError):
+            structured_body(constraint, dialect)  # type: ignore[arg-type]
+
+
+def test_submit_refuses_what_the_peer_cannot_take_and_constrained_resumes() -> None:
+    fake = FakeUpstreams(a="ok")
+
+    async def main() -> list[str]:
+        backend = UpstreamEngineBackend(
+            fake.urls,
+            "fake",
+            transport=fake.transport(),
+            dialect="trtllm",
+            tokenizer=AngleTokenizer(),
+        )
+        backend.start()
+        errors = []
+        for request in (
+            EngineRequest("g", [1, 2], _constrained("grammar", 'start: "a"')),
+            EngineRequest("r", [1, 2, 3], _constrained("json_object"), num_resumed_tokens=1),
+        ):
+            with pytest.raises(RequestRejectedError) as refused:
+                backend.submit(request)
+            errors.append(str(refused.value))
+        backend.shutdown()
+        return errors
+
+    grammar_error, resume_error = asyncio.run(main())
+    assert "GBNF" in grammar_error and "cannot resume" in resume_error
+    assert fake.bodies["a"] == []
+
+
+def test_a_constrained_request_failing_before_any_output_starts_again_from_zero() -> None:
+    fake = FakeUpstreams(a="cut", b="ok")
+    fake.cut_after = 0
+    out, backend = _run_one(fake, EngineRequest("r", [1, 2, 3, 4], _constrained("json_object")))
+    assert output_tokens(out) == _expected(4, 10) and out[-1].finish_reason == "length"
+    first, again = fake.bodies["a"][0], fake.bodies["b"][0]
+    assert first["prompt"] == again["prompt"] == [1, 2, 3, 4] and again["max_tokens"] == 10
+    assert again["structured_outputs"] == {"json_object": True}
+    assert backend.num_resumes == 1
+
+
+def test_a_constrained_request_failing_mid_output_ends_with_an_error() -> None:
+    """Resuming it elsewhere would restart the grammar mid-output: it ends instead, as a
+    plain error, since the worker would only resume it again; the backend lives on."""
+    fake = FakeUpstreams(a="cut", b="ok")
+    out, backend = _run_one(fake, EngineRequest("r", [1, 2, 3, 4], _constrained("json_object")))
+    assert output_tokens(out) == _expected(4, 3)
+    last = out[-1]
+    assert (last.finish_reason, last.retryable, last.num_output_tokens) == ("error", False, 3)
+    assert "constrained output" in (last.error or "")
+    assert fake.bodies["b"] == [] and backend.num_resumes == 0
+    assert [u.healthy for u in backend.upstreams] == [False, True]
+
+
+def test_a_constrained_request_failing_mid_output_on_the_last_upstream() -> None:
+    fake = FakeUpstreams(a="cut")
+
+    async def main() -> tuple[list[EngineDelta], UpstreamEngineBackend]:
+        backend = UpstreamEngineBackend(fake.urls, "fake", transport=fake.transport())
+        backend.start()
+        backend.submit(EngineRequest("r", [1, 2], _constrained("regex", "[0-9]+")))
+        out = [d async for batch in backend.deltas() for d in batch]  # ends: it died
+        return out, backend
+
+    out, backend = asyncio.run(main())
+    finished = [d for d in out if d.finished]
+    assert len(finished) == 1 and finished[0].finish_reason == "error"
+    assert not finished[0].retryable and not backend.health()
