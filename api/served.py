@@ -38,7 +38,10 @@ class Tokenizer(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
-    ) -> str | list[int]: ...
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """`kwargs` reach the template as variables (`tools`, as transformers passes them)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,9 @@ class ServedModel:
     name: str
     max_model_len: int
     tokenizer: Tokenizer
+    # how the model writes tool calls and reasoning (SLUICE_TOOL_PARSER, SLUICE_REASONING_PARSER)
+    tool_parser: str = "hermes"
+    reasoning_parser: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "sluice"
 

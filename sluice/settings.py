@@ -153,6 +153,18 @@ class ModelSettings(_Base):
         " model directory or a .gguf file",
     )
     served_model_name: str | None = Field(default=None, description="default: the model's name")
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] = Field(
+        default="hermes",
+        description="how the model writes tool calls, read back into `tool_calls` (and"
+        " forced by a grammar for tool_choice required or named): 'hermes' (<tool_call>"
+        " JSON </tool_call>: Hermes, Qwen, SmolLM), 'llama3_json' (Llama 3's JSON calls)"
+        " or 'mistral' ([TOOL_CALLS][...])",
+    )
+    reasoning_parser: Literal["none", "think"] = Field(
+        default="none",
+        description="'think': the model reasons in a <think>...</think> block first,"
+        " returned as reasoning_content (chat) or a reasoning item (responses)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(default=2048, ge=16, description="prompt + output tokens")
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")

@@ -160,6 +160,8 @@ def served_model(settings: Settings, tokenizer: Any | None = None) -> ServedMode
         name=settings.model_name,
         max_model_len=served_max_model_len(settings, path),
         tokenizer=tokenizer,
+        tool_parser=settings.tool_parser,
+        reasoning_parser=settings.reasoning_parser,
     )
 
 
