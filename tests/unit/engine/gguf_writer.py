@@ -58,7 +58,10 @@ def write_gguf(
     arch: str = "llama",
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     extra_tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+    overrides: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
+    """`overrides`: by GGUF tensor name, data already in the file's layout (raw blocks of a
+    quantized type, or F32 values) written instead of the HF directory's tensor."""
     config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text())
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     w = GGUFWriter(out, arch)
@@ -76,7 +79,11 @@ def write_gguf(
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = llama_cpp_permute(data, n_head if "q_proj" in name else n_kv)
         kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32
-        if kind == GGMLQuantizationType.F32:
+        if gguf_name(name) in (overrides or {}):
+            raw, raw_kind = (overrides or {})[gguf_name(name)]
+            f32 = raw_kind == GGMLQuantizationType.F32
+            w.add_tensor(gguf_name(name), raw, raw_dtype=None if f32 else raw_kind)
+        elif kind == GGMLQuantizationType.F32:
             w.add_tensor(gguf_name(name), data)
         elif kind == GGMLQuantizationType.F16:
             w.add_tensor(gguf_name(name), data.astype(np.float16))

