@@ -3,7 +3,8 @@
 Sits at the engine worker's edge towards the engine: maps sampling parameters, turns the
 wall-clock deadline into the engine's monotonic one, and, for an attempt that resumes a
 failed-over request, submits prompt + the tokens already published with `max_tokens`
-(and `min_tokens`) reduced by as many.
+(and `min_tokens`) reduced by as many. The engine treats those resumed tokens as output:
+penalties count them and a grammar replays them before its first token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 from consumers.work_item import WorkItem
 from engine.backends.base import EngineRequest
-from engine.sampling import SamplingParams
+from engine.sampling import Constraint, SamplingParams
 
 LANE_PRIORITY = {"interactive": 0, "standard": 1, "batch": 2}  # lower runs first
 
@@ -32,6 +33,7 @@ def engine_request(item: WorkItem) -> EngineRequest:
     """The request as this attempt submits it (raises SamplingParamsError if invalid)."""
     request = item.request
     spec = request.sampling
+    structured = spec.structured
     resumed = len(item.resumed_token_ids)
     params = SamplingParams(
         temperature=spec.temperature,
@@ -44,6 +46,13 @@ def engine_request(item: WorkItem) -> EngineRequest:
         stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
         logprobs=spec.logprobs,
+        frequency_penalty=spec.frequency_penalty,
+        presence_penalty=spec.presence_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=dict(spec.logit_bias),
+        # an attempt that resumes has echoed its prompt already (the first attempt's)
+        prompt_logprobs=None if resumed else spec.prompt_logprobs,
+        constraint=None if structured is None else Constraint(**structured.model_dump()),
     )
     return EngineRequest(
         request_id=request.request_id,

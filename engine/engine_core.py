@@ -7,7 +7,9 @@ The middle of the engine: the backend's loop thread calls `step()` over and over
 be a stop-string prefix, never emitted), logprobs, and exactly one terminal delta per
 request with its usage counts. Not thread-safe: one thread drives it.
 
-Stop checks, in order: EOS (unless ignore_eos; not before min_tokens), stop_token_ids
+Stop checks, in order: a completed grammar (the runner says so; its last token is
+output and text unless an EOS or stop token), EOS (unless ignore_eos; not before
+min_tokens), stop_token_ids
 (not before min_tokens), max_tokens, max_model_len (these four in the scheduler), then
 stop strings (here, through the detokenizer). A stop string found on the token that
 also hit a length limit makes the finish reason 'stop'.
@@ -32,6 +34,7 @@ from engine.config import EngineConfig
 from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.errors import RequestRejectedError
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -142,6 +145,16 @@ class EngineCore:
         )
         detokenizer = self.detokenizers(request) if self.detokenizers is not None else None
         self.scheduler.add_request(request)
+        prepare = getattr(self.runner, "add_request", None)
+        if prepare is not None:
+            try:
+                prepare(request)  # e.g. starts compiling its grammar
+            except Exception:
+                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+                raise
+        elif request.sampling_params.constraint is not None:
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            raise RequestRejectedError("this engine has no structured outputs")
         self._states[request.request_id] = _RequestState(
             request, detokenizer, request.sampling_params.logprobs is not None
         )
@@ -174,6 +187,14 @@ class EngineCore:
             return deltas
         runner_output = self.runner.execute(scheduler_output)
         self.num_steps += 1
+        for request_id, error in runner_output.failed.items():
+            state = states.pop(request_id, None)
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+            if state is not None:
+                logger.warning("request_id=%s failed in the runner: %s", request_id, error)
+                delta = self._terminal(EngineDelta(request_id), state, None)
+                delta.finish_reason, delta.error = "error", error
+                deltas.append(delta)
         for request, sampled in self.scheduler.update_from_output(scheduler_output, runner_output):
             state = states.get(request.request_id)
             if state is not None:
@@ -192,9 +213,14 @@ class EngineCore:
         status = request.status
         detokenizer = state.detokenizer
         stop_reason: str | int | None = None
-        if status == RequestStatus.FINISHED_STOPPED:
+        params = request.sampling_params
+        if status == RequestStatus.FINISHED_STOPPED and (
+            not sampled.grammar_stop
+            or token_id in params.stop_token_ids
+            or token_id in request.eos_token_ids
+        ):
             # EOS or a stop token id: it ends the text and is not part of it
-            if token_id in request.sampling_params.stop_token_ids:
+            if token_id in params.stop_token_ids:
                 stop_reason = token_id
         elif detokenizer is not None:
             delta.text = detokenizer.add_token(token_id)

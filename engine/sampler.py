@@ -4,7 +4,8 @@ Called by `engine.runner.model_runner` after the model step, one row per request
 samples. Order of operations (as vLLM and TensorRT-LLM apply them): temperature, then top-k,
 then top-p, then draw. Temperature 0 is greedy (argmax). A request with a seed draws from its own
 `torch.Generator`, so its tokens do not depend on its batch neighbours; others share the
-sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits.
+sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits (before penalties, bias
+and grammar, as vLLM returns them by default).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        raw: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits [N, V] float32 -> one token per row (+ logprobs where asked)."""
+        """logits [N, V] float32 -> one token per row (+ logprobs where asked). raw: the
+        logits before `engine.logits` processed them (the logprobs' source; default
+        `logits`)."""
         n = logits.shape[0]
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
@@ -58,7 +62,7 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             idx = torch.tensor(want)
-            lp = torch.log_softmax(logits[idx].float(), dim=-1)
+            lp = torch.log_softmax((logits if raw is None else raw)[idx].float(), dim=-1)
             chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
             k_max = max(params[i].logprobs or 0 for i in want)
             top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20
+MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's
+MAX_LOGIT_BIAS = 100.0
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 class SamplingParamsError(ValueError):
@@ -69,6 +73,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before the draw
+        (`engine.logits`): its steps then take fp32 logits and leave the fast paths."""
+        return (
+            self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.constraint is not None
+        )
+
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
@@ -86,6 +103,34 @@ class SamplingParams:
             )
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             raise SamplingParamsError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+                raise SamplingParamsError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+                )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise SamplingParamsError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token_id}"
+                )
+        if self.prompt_logprobs is not None and not (
+            0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
+        ):
+            raise SamplingParamsError(
+                f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], "
+                f"got {self.prompt_logprobs}"
+            )
+        if self.constraint is not None and self.constraint.kind not in CONSTRAINT_KINDS:
+            raise SamplingParamsError(
+                f"structured output kind must be one of {CONSTRAINT_KINDS}, "
+                f"got {self.constraint.kind!r}"
+            )
 
 
 def generator_seed(seed: int) -> int:

@@ -88,6 +88,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The `tokenizers` tokenizer as tokenizer.json text (llguidance builds on it)."""
+        return str(self._tok.to_str())
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest vocabulary entry in characters: no token covers more text than it."""

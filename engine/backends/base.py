@@ -188,6 +188,7 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int | 
     except SamplingParamsError as exc:
         raise RequestRejectedError(str(exc)) from None
     _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    _check_token_ids("logit_bias", list(params.logit_bias), vocab_size)
 
 
 def _check_token_ids(what: str, token_ids: list[int], vocab_size: int | None) -> None:

@@ -94,6 +94,7 @@ class TorchEngineBackend:
         """Load a Hugging Face directory or the `tiny-llama` preset and build the engine."""
         from engine.loader import load_model
         from engine.runner.model_runner import ModelRunner
+        from engine.structured import GrammarCompiler
 
         config = config or EngineConfig()
         loaded = load_model(
@@ -104,7 +105,8 @@ class TorchEngineBackend:
             quantization=quantization,
             config_overrides=config_overrides,
         )
-        runner = ModelRunner(loaded.model, config, options)
+        grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids)
+        runner = ModelRunner(loaded.model, config, options, grammars)
         core = EngineCore(
             config,
             runner,

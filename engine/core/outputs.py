@@ -63,8 +63,14 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # raw log-softmax of the sampled token, when asked
     top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), best first
+    # the request's grammar is complete with this token: it ends 'stop' here (the token
+    # is output, and text unless it is an EOS or stop token), min_tokens or not
+    grammar_stop: bool = False
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: list[SampledToken] = field(default_factory=list)
+    # requests the runner could not serve (a grammar that does not compile): request id
+    # -> why; they have no sampled token and end with 'error'
+    failed: dict[str, str] = field(default_factory=dict)

@@ -22,7 +22,8 @@ Per step:
    flight when it arrives plus its own.
 4. `num_computed_tokens` advances at once, so the next chunk can be planned next step.
 `update_from_output` indexes newly computed full blocks, appends sampled tokens and runs
-the token-level stop checks (EOS, stop_token_ids, max_tokens, max_model_len).
+the token-level stop checks (a completed grammar, EOS, stop_token_ids, max_tokens,
+max_model_len).
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ class Scheduler:
             request.output_token_ids.append(sampled.token_id)
             if self.enable_prefix_caching and request.num_tokens % block_size == 0:
                 self.hasher.extend(request)
-            status = self._check_stop(request, sampled.token_id)
+            status = self._check_stop(request, sampled)
             if status is not None:
                 request.status = status
                 self.running.remove(request)
@@ -378,8 +379,11 @@ class Scheduler:
             results.append((request, sampled))
         return results
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _check_stop(self, request: Request, sampled: SampledToken) -> RequestStatus | None:
         params = request.sampling_params
+        token_id = sampled.token_id
+        if sampled.grammar_stop:
+            return RequestStatus.FINISHED_STOPPED
         num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:

@@ -2,19 +2,25 @@
 
 The torch side of the engine step (`engine.engine_core` calls `execute` once per step):
 flat inputs (`engine.runner.inputs`) -> model forward over the paged cache -> logits for the
-rows that sample -> `engine.sampler`. Keeps one seeded `torch.Generator` per request whose
-sampling params carry a seed, and drops it when the scheduler reports the request finished.
+rows that sample -> (`engine.logits`, for rows with penalties, bias, min_tokens or a
+grammar) -> `engine.sampler`. Keeps one seeded `torch.Generator` per request whose
+sampling params carry a seed, and one grammar matcher per constrained request, and drops
+them when the scheduler reports the request finished.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
 from engine import kernels
 from engine.config import EngineConfig
-from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from engine.core.request import Request
+from engine.errors import RequestRejectedError
+from engine.logits import LogitsProcessor, output_token_ids
 from engine.models.cpu_linear import (
     PackedLinear,
     native_low_precision,
@@ -25,7 +31,8 @@ from engine.options import EngineOptions
 from engine.quantization import Int8Linear
 from engine.runner.inputs import prepare_inputs
 from engine.sampler import Sampler, greedy_tokens
-from engine.sampling import generator_seed
+from engine.sampling import SamplingParams, generator_seed
+from engine.structured import GrammarCompiler, RequestMatcher, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +111,18 @@ class ModelRunner:
 
     KV cache: per layer one tensor `[num_kv_blocks, block_size, 2, kv_heads, head_dim]` (K
     then V), block count from `config.resolve_num_kv_blocks` (block 0 is the null block).
+
+    grammars: compiles structured-output constraints (None: a constrained request is
+    refused). Each constrained request's matcher lives here from `add_request` until the
+    scheduler reports it finished, so a preemption keeps it.
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, config: EngineConfig, options: EngineOptions | None = None
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig,
+        options: EngineOptions | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         options = options or EngineOptions()
         self.model = model.eval().requires_grad_(False)
@@ -173,6 +188,33 @@ class ModelRunner:
         self.bf16_ops = ops if ops is not None and ops.bf16_dot and bf16 else None
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars
+        # a constrained request's matcher: a future while its grammar compiles
+        self._matchers: dict[str, RequestMatcher | Future[RequestMatcher]] = {}
+        self._logits_processor = LogitsProcessor()
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling a constrained request's grammar, off the engine thread; raises
+        RequestRejectedError when there is no compiler or the grammar is known not to
+        compile. Its resumed tokens (a failover or restart) are replayed into the matcher."""
+        constraint = request.sampling_params.constraint
+        if constraint is None:
+            return
+        if self.grammars is None:
+            raise RequestRejectedError("structured outputs need the model's tokenizer")
+        error = self.grammars.cached_error(constraint)
+        if error is not None:
+            raise RequestRejectedError(error)
+        resumed = request.num_resumed_tokens
+        replay = request.prompt_token_ids[-resumed:] if resumed else []
+        self._matchers[request.request_id] = self.grammars.matcher_async(constraint, replay)
+
+    def _drop(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+        matcher = self._matchers.pop(request_id, None)
+        if isinstance(matcher, Future):
+            matcher.cancel()
+        self._logits_processor.drop(request_id)
 
     def _set_threads(self, tokens: int) -> None:
         assert self._prefill_threads is not None
@@ -184,7 +226,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         torch.set_flush_denormal(True)  # per thread: the engine loop may run in any thread
         for rid in scheduler_output.finished_request_ids:
-            self._generators.pop(rid, None)
+            self._drop(rid)
         if scheduler_output.is_empty:
             return RunnerOutput()
         if self._prefill_threads is not None:
@@ -209,6 +251,9 @@ class ModelRunner:
             if inputs.logits_indices is not None:
                 hidden = hidden.index_select(0, inputs.logits_indices)
             params = [s.request.sampling_params for s in inputs.sampling]
+            if any(p.processes_logits for p in params):
+                logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=True)
+                return self._sample_processed(inputs.sampling, params, logits.cpu())
             greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
             # a bf16 step's greedy rows: argmax over its bf16 logits, no fp32 copy of them
             bf16_argmax = self.bf16_ops if greedy and inputs.meta.cpu_ops is None else None
@@ -238,6 +283,70 @@ class ModelRunner:
                 for i, s in enumerate(inputs.sampling)
             ]
         )
+
+    def _sample_processed(
+        self,
+        sampling: list[ScheduledRequest],
+        params: list[SamplingParams],
+        logits: torch.Tensor,
+    ) -> RunnerOutput:
+        """A step with rows whose logits `engine.logits` changes: process, then sample;
+        constrained rows' matchers take the sampled tokens."""
+        failed: dict[str, str] = {}
+        matchers = self._ready_matchers(sampling, failed)
+        raw = logits.clone() if any(p.logprobs is not None for p in params) else None
+        rows = [i for i, p in enumerate(params) if p.processes_logits]
+        self._logits_processor.apply(
+            logits,
+            rows,
+            [sampling[i].request for i in rows],
+            matchers,
+            self.grammars.mask_words if self.grammars is not None else 0,
+        )
+        gens = [self._generator(s.request_id, p.seed) for s, p in zip(sampling, params, strict=True)]
+        out = self.sampler.sample(logits, params, gens, raw)
+        sampled: list[SampledToken] = []
+        for i, s in enumerate(sampling):
+            if s.request_id in failed:
+                continue
+            token_id = out.token_ids[i]
+            matcher = matchers.get(s.request_id)
+            stop = matcher.consume(token_id) if matcher is not None else False
+            if matcher is not None and matcher.error is not None:
+                failed[s.request_id] = f"structured output failed: {matcher.error}"
+                continue
+            sampled.append(
+                SampledToken(s.request_id, token_id, out.logprobs[i], out.top_logprobs[i], stop)
+            )
+        return RunnerOutput(sampled=sampled, failed=failed)
+
+    def _ready_matchers(
+        self, sampling: list[ScheduledRequest], failed: dict[str, str]
+    ) -> dict[str, RequestMatcher]:
+        """The step's constrained requests' matchers, each caught up with its output (a
+        compile still running is waited for: once, in the first step that samples it)."""
+        ready: dict[str, RequestMatcher] = {}
+        for s in sampling:
+            request = s.request
+            constraint = request.sampling_params.constraint
+            if constraint is None:
+                continue
+            rid = request.request_id
+            entry = self._matchers.get(rid)
+            try:
+                if entry is None:  # not added through add_request (a runner driven directly)
+                    self.add_request(request)
+                    entry = self._matchers[rid]
+                if isinstance(entry, Future):
+                    entry = self._matchers[rid] = entry.result()
+            except (StructuredOutputError, RequestRejectedError) as exc:
+                failed[rid] = str(exc)
+                continue
+            total = request.num_resumed_tokens + len(request.output_token_ids)
+            if entry.num_consumed != total:
+                entry.sync(output_token_ids(request))
+            ready[rid] = entry
+        return ready
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
