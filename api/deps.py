@@ -189,9 +189,13 @@ T = TypeVar("T")
 INLINE_BUILD_MAX_BYTES = 16 * 1024
 
 
-async def build_off_loop_if_large(conn: HTTPConnection, build: Callable[[], T]) -> T:
-    """Run a route's `build` (validation, chat template, tokenizing) for this request."""
+async def build_off_loop_if_large(
+    conn: HTTPConnection, build: Callable[[], T], compiles: bool = False
+) -> T:
+    """Run a route's `build` (validation, chat template, tokenizing) for this request;
+    `compiles`: it compiles an output constraint (milliseconds, and once per model the
+    tokenizer's view for llguidance), so it runs on a thread whatever the body's size."""
     length = conn.headers.get("content-length", "")
-    if length.isdigit() and int(length) <= INLINE_BUILD_MAX_BYTES:
+    if not compiles and length.isdigit() and int(length) <= INLINE_BUILD_MAX_BYTES:
         return build()
     return await asyncio.to_thread(build)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from api.generation import ChoiceResult, Generation
+from api.output import OutputPlan, Piece, read_whole, reasoning_tokens
 from api.served import Tokenizer
 from bus.messages import TokenLogprob
 
 # finish reasons the OpenAI schema knows; the others end in an error before this point
-_OPENAI_FINISH = {"stop": "stop", "length": "length"}
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -128,19 +129,58 @@ class ChatFormat(_CallFormat):
         }
         return {**self._head(self.chunk_object), "choices": [choice], "usage": None}
 
+    def delta(self, piece: Piece) -> dict[str, Any]:
+        """A streamed piece of the output as a chunk's delta."""
+        if piece.call is not None:
+            call: dict[str, Any] = {"index": piece.call.index}
+            if piece.call.id is not None:
+                call.update(id=piece.call.id, type="function")
+                call["function"] = {"name": piece.call.name, "arguments": piece.call.arguments}
+            else:
+                call["function"] = {"arguments": piece.call.arguments}
+            return {"tool_calls": [call]}
+        if piece.reasoning:
+            return {"reasoning_content": piece.reasoning}
+        return {"content": piece.content}
+
     def completion(
-        self, results: list[ChoiceResult], usage_obj: dict[str, Any], want_logprobs: bool
+        self,
+        results: list[ChoiceResult],
+        usage_obj: dict[str, Any],
+        want_logprobs: bool,
+        plan: OutputPlan | None = None,
     ) -> dict[str, Any]:
-        choices = [
-            {
-                "index": r.index,
-                "message": {"role": "assistant", "content": r.text, "refusal": None},
-                "logprobs": chat_logprobs(self.tokenizer, r.logprobs) if want_logprobs else None,
-                "finish_reason": finish_reason(r.finish_reason),
-            }
-            for r in results
-        ]
+        plan = plan or OutputPlan()
+        choices, readers = [], []
+        for r in results:
+            message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+            finish = finish_reason(r.finish_reason)
+            if not plan.plain:
+                reader = read_whole(plan, r.text)
+                readers.append(reader)
+                message["content"] = reader.content
+                if reader.calls:
+                    message["tool_calls"] = [c.openai() for c in reader.calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+                if plan.reasoning:
+                    message["reasoning_content"] = reader.reasoning
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(self.tokenizer, r.logprobs)
+                    if want_logprobs
+                    else None,
+                    "finish_reason": finish,
+                }
+            )
+        if plan.reasoning:
+            usage_obj = with_reasoning_tokens(usage_obj, reasoning_tokens(self.tokenizer, readers))
         return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}
+
+
+def with_reasoning_tokens(usage_obj: dict[str, Any], count: int) -> dict[str, Any]:
+    return {**usage_obj, "completion_tokens_details": {"reasoning_tokens": count}}
 
 
 class CompletionFormat(_CallFormat):
@@ -181,12 +221,14 @@ class CompletionFormat(_CallFormat):
         usage_obj: dict[str, Any],
         want_logprobs: bool,
         want_token_ids: bool = False,
+        echo: list[str] | None = None,
     ) -> dict[str, Any]:
+        """`echo`: each choice's prompt text, put before its output."""
         choices = []
         for r in results:
             choice: dict[str, Any] = {
                 "index": r.index,
-                "text": r.text,
+                "text": (echo[r.index] if echo else "") + r.text,
                 "logprobs": completion_logprobs(self.tokenizer, r.logprobs, 0)
                 if want_logprobs
                 else None,

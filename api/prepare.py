@@ -7,6 +7,7 @@ parameters, the `service_tier` → lane mapping, and the deadline.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -126,12 +127,17 @@ def check_token_ids(model: ServedModel, token_ids: Sequence[int], param: str) ->
         )
 
 
-def render_chat(model: ServedModel, messages: list[dict[str, Any]]) -> list[int]:
+def render_chat(
+    model: ServedModel, messages: list[dict[str, Any]], variables: dict[str, Any] | None = None
+) -> list[int]:
+    """The prompt's token ids; `variables` go to the template too (`tools`)."""
     num_chars = sum(len(m["content"] or "") for m in messages)
+    if variables:
+        num_chars += len(json.dumps(variables))
     check_prompt_chars(model, num_chars, "messages")
     try:
         rendered = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            messages, add_generation_prompt=True, tokenize=True, **(variables or {})
         )
     except ValueError as exc:  # engine TokenizerError is a ValueError
         raise InvalidRequest(f"the chat template failed: {exc}", param="messages") from exc
@@ -204,16 +210,48 @@ def check_common(body: Any, limits: RequestLimits) -> None:
     """Parameters shared by chat and completions that Sluice cannot honour."""
     if body.n > limits.max_n:
         raise InvalidRequest(f"n must be at most {limits.max_n}", param="n", code="invalid_value")
-    if body.frequency_penalty or body.presence_penalty:
-        param = "frequency_penalty" if body.frequency_penalty else "presence_penalty"
-        raise refuse(param, "penalties are not supported by this server; use 0")
-    if body.logit_bias:
-        raise refuse("logit_bias", "logit_bias is not supported by this server")
     if body.min_p:
         raise refuse("min_p", "min_p is not supported by this server; use 0")
     if body.prompt_logprobs is not None:
         check_logprobs(body.prompt_logprobs, limits, "prompt_logprobs")
         raise refuse("prompt_logprobs", "prompt logprobs are not returned by this server")
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def logit_bias(model: ServedModel, bias: dict[str, float] | None) -> dict[int, float]:
+    """`logit_bias` with its keys as token ids: each an integer id in the vocabulary, each
+    value in [-100, 100] (OpenAI's range), else a 400 naming logit_bias."""
+    out: dict[int, float] = {}
+    vocab_size = model.tokenizer.vocab_size
+    for key, value in (bias or {}).items():
+        token = key
+        if not token.isascii() or not token.isdigit() or not 0 <= int(token) < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias: key {key[:40]!r} is not a token id of this model (an integer "
+                f"from 0 to {vocab_size - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(
+                f"logit_bias: the bias of token {token} is {value}; it must be in [-100, 100]",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        out[int(token)] = float(value)
+    return out
+
+
+def penalties(body: Any, model: ServedModel) -> dict[str, Any]:
+    """The penalty and bias fields of a chat or completions body, as SamplingSpec's."""
+    return {
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "logit_bias": logit_bias(model, body.logit_bias),
+    }
 
 
 def check_logprobs(count: int | None, limits: RequestLimits, param: str) -> None:

@@ -1,11 +1,16 @@
-"""The Responses API (text): the `response` object and its stream of events.
+"""The Responses API: the `response` object and its stream of events.
 
-One generation becomes one assistant message with one `output_text` part. The events
-are those of OpenAI's Responses streaming, shared by SSE (`event:` + `data:`) and the
-WebSocket mode: response.created, response.in_progress, response.output_item.added,
-response.content_part.added, response.output_text.delta…, response.output_text.done,
-response.content_part.done, response.output_item.done, then response.completed,
-response.incomplete (max_output_tokens) or response.failed.
+One generation becomes output items, read by `api.output.ChoiceReader`: a `reasoning`
+item (with a reasoning parser), an assistant `message` with one `output_text` part, and a
+`function_call` item per tool call. The events are those of OpenAI's Responses
+streaming, shared by SSE (`event:` + `data:`) and the WebSocket mode: response.created,
+response.in_progress, then per item response.output_item.added, its own deltas
+(response.content_part.added, response.output_text.delta…, .done,
+response.content_part.done; response.reasoning_text.delta…, .done;
+response.function_call_arguments.delta…, .done) and response.output_item.done, then
+response.completed, response.incomplete (max_output_tokens) or response.failed. A plain
+answer opens its message at once; with tools or reasoning an item opens when its first
+text arrives, and an answer with no item at all gets an empty message.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from typing import Any
 
 from api.errors import APIError, InvalidRequest, error_for_finish
 from api.generation import ChoiceResult, Generation
+from api.output import ChoiceReader, OutputPlan, Piece
 from api.schemas import ResponsesRequest
+from api.served import Tokenizer
 from api.streaming import pump
 
 
@@ -45,29 +52,43 @@ def text_format_type(text: dict[str, Any] | None) -> str:
 
 class ResponsesFormat:
     def __init__(
-        self, call_id: str, body: ResponsesRequest, tier: str, num_prompt_tokens: int
+        self,
+        call_id: str,
+        body: ResponsesRequest,
+        tier: str,
+        num_prompt_tokens: int,
+        plan: OutputPlan | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        self.call_id = call_id
         self.id = f"resp_{call_id}"
         self.item_id = f"msg_{call_id}"
         self.body = body
         self.tier = tier
         self.num_prompt_tokens = num_prompt_tokens
+        self.plan = plan or OutputPlan()
+        self.tokenizer = tokenizer  # counts reasoning tokens
         self.created_at = int(time.time())
         self._seq = 0
 
     # -- objects --------------------------------------------------------------------
-    def usage(self, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    def usage(
+        self, output_tokens: int, cached_tokens: int, reasoning: str | None = None
+    ) -> dict[str, Any]:
+        reasoning_tokens = 0
+        if reasoning and self.tokenizer is not None:
+            reasoning_tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False))
         return {
             "input_tokens": self.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": self.num_prompt_tokens + output_tokens,
         }
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
         return {
-            "id": self.item_id,
+            "id": item_id or self.item_id,
             "type": "message",
             "role": "assistant",
             "status": status,
@@ -78,6 +99,28 @@ class ResponsesFormat:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {
+            "id": f"rs_{self.call_id}",
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
+    def call_item(
+        self, index: int, call_id: str, name: str, arguments: str, status: str
+    ) -> dict[str, Any]:
+        return {
+            "id": f"fc_{self.call_id}_{index}",
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
+
     def response(
         self,
         status: str,
@@ -86,6 +129,7 @@ class ResponsesFormat:
         error: APIError | None = None,
     ) -> dict[str, Any]:
         body = self.body
+        text_format = (body.text or {}).get("format") or {"type": "text"}
         return {
             "id": self.id,
             "object": "response",
@@ -100,15 +144,15 @@ class ResponsesFormat:
             "max_output_tokens": body.max_output_tokens,
             "model": body.model,
             "output": output or [],
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": None,
             "service_tier": self.tier,
             "store": False,
             "temperature": body.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "text": {"format": text_format},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
             "top_p": body.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -116,12 +160,32 @@ class ResponsesFormat:
             "metadata": body.metadata or {},
         }
 
+    def output_items(
+        self, reader: ChoiceReader | None, text: str, status: str
+    ) -> list[dict[str, Any]]:
+        """A whole answer's items: reasoning, the message (if any text), the calls."""
+        if reader is None:
+            return [self.message(text, status)]
+        items = []
+        if reader.reasoning is not None:
+            items.append(self.reasoning_item(reader.reasoning, "completed"))
+        if reader.content or not reader.calls:
+            items.append(self.message(reader.content or "", status))
+        for i, call in enumerate(reader.calls):
+            items.append(self.call_item(i, call.id, call.name, call.arguments, "completed"))
+        return items
+
     def final(self, result: ChoiceResult, output_tokens: int, cached: int) -> dict[str, Any]:
         """The whole answer of a non-streaming call (errors were raised before)."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        return self.response(
-            status, [self.message(result.text, status)], self.usage(output_tokens, cached)
-        )
+        reader = None
+        if not self.plan.plain:
+            reader = ChoiceReader(self.plan)
+            reader.feed(result.text)
+            reader.finish()
+        items = self.output_items(reader, result.text, status)
+        reasoning = reader.reasoning if reader is not None else None
+        return self.response(status, items, self.usage(output_tokens, cached, reasoning))
 
     # -- events ---------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -133,27 +197,25 @@ class ResponsesFormat:
         self, generation: Generation, ping_s: float
     ) -> AsyncIterator[dict[str, Any] | None]:
         """Stream events of one generation; None when a keep-alive is due."""
-        at = {"item_id": self.item_id, "output_index": 0}
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
-        yield self.event(
-            "response.output_item.added",
-            output_index=0,
-            item={**self.message("", "in_progress"), "content": []},
-        )
-        yield self.event("response.content_part.added", **at, content_index=0, part=self.part(""))
-        text, finish, detail = "", None, None
+        items = _ItemStream(self)
+        reader = ChoiceReader(self.plan)
+        if self.plan.plain:
+            for event in items.open_message():
+                yield event
+        finish, detail = None, None
         async for ev in pump(generation, ping_s):
             if ev is None:
                 yield None
                 continue
-            if ev.text:
-                text += ev.text
-                yield self.event(
-                    "response.output_text.delta", **at, content_index=0, delta=ev.text, logprobs=[]
-                )
+            pieces = reader.feed(ev.text) if ev.text else []
             if ev.finish_reason is not None:
                 finish, detail = ev.finish_reason, ev.error
+                pieces += reader.finish()
+            for piece in pieces:
+                for event in items.piece(piece):
+                    yield event
         error = error_for_finish(finish or "error", detail)
         if finish is None:
             error = error or APIError("the stream ended without a finish")
@@ -161,9 +223,126 @@ class ResponsesFormat:
             yield self.event("response.failed", response=self.response("failed", error=error))
             return
         status = "incomplete" if finish == "length" else "completed"
-        usage = self.usage(generation.num_completion_tokens, generation.num_cached_tokens)
-        yield self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
-        yield self.event("response.content_part.done", **at, content_index=0, part=self.part(text))
-        item = self.message(text, status)
-        yield self.event("response.output_item.done", output_index=0, item=item)
-        yield self.event(f"response.{status}", response=self.response(status, [item], usage))
+        for event in items.close(status, final=True):
+            yield event
+        usage = self.usage(
+            generation.num_completion_tokens, generation.num_cached_tokens, reader.reasoning
+        )
+        yield self.event(f"response.{status}", response=self.response(status, items.done, usage))
+
+
+class _ItemStream:
+    """The output items of a stream as they open, grow and close."""
+
+    def __init__(self, fmt: ResponsesFormat) -> None:
+        self.fmt = fmt
+        self.done: list[dict[str, Any]] = []
+        self._open: str | None = None  # reasoning | message | call
+        self._text = ""
+        self._messages = 0
+        self._item_id = ""
+        self._call: dict[str, Any] = {}
+
+    def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        fmt, out = self.fmt, []
+        if piece.reasoning:
+            if self._open != "reasoning":
+                out += self.close("completed")
+                self._open, self._text = "reasoning", ""
+                self._item_id = f"rs_{fmt.call_id}"
+                out.append(self._added(fmt.reasoning_item("", "in_progress")))
+            self._text += piece.reasoning
+            out.append(self._delta("response.reasoning_text.delta", piece.reasoning))
+        elif piece.call is not None:
+            call = piece.call
+            if call.id is not None:
+                out += self.close("completed")
+                self._open, self._text = "call", ""
+                item = fmt.call_item(call.index, call.id, call.name or "", "", "in_progress")
+                self._call, self._item_id = item, item["id"]
+                out.append(self._added(item))
+            if call.arguments:
+                self._text += call.arguments
+                out.append(
+                    fmt.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self._item_id,
+                        output_index=len(self.done),
+                        delta=call.arguments,
+                    )
+                )
+        elif piece.content:
+            if self._open != "message":
+                out += self.close("completed")
+                out += self.open_message()
+            self._text += piece.content
+            out.append(self._delta("response.output_text.delta", piece.content, logprobs=[]))
+        return out
+
+    def open_message(self) -> list[dict[str, Any]]:
+        fmt = self.fmt
+        self._item_id = fmt.item_id if not self._messages else f"{fmt.item_id}_{self._messages}"
+        self._messages += 1
+        self._open, self._text = "message", ""
+        item = {**fmt.message("", "in_progress", self._item_id), "content": []}
+        return [
+            self._added(item),
+            fmt.event(
+                "response.content_part.added",
+                item_id=self._item_id,
+                output_index=len(self.done),
+                content_index=0,
+                part=fmt.part(""),
+            ),
+        ]
+
+    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
+        return self.fmt.event("response.output_item.added", output_index=len(self.done), item=item)
+
+    def _delta(self, kind: str, delta: str, **extra: Any) -> dict[str, Any]:
+        return self.fmt.event(
+            kind,
+            item_id=self._item_id,
+            output_index=len(self.done),
+            content_index=0,
+            delta=delta,
+            **extra,
+        )
+
+    def close(self, status: str, final: bool = False) -> list[dict[str, Any]]:
+        """Close the open item (`final`: the stream's end, which has at least a message)."""
+        fmt, out = self.fmt, []
+        if final and self._open is None and not self.done:
+            out += self.open_message()
+        at = {"item_id": self._item_id, "output_index": len(self.done)}
+        text, kind = self._text, self._open
+        if kind == "message":
+            out.append(
+                fmt.event(
+                    "response.output_text.done", **at, content_index=0, text=text, logprobs=[]
+                )
+            )
+            out.append(
+                fmt.event("response.content_part.done", **at, content_index=0, part=fmt.part(text))
+            )
+            item = fmt.message(text, status, self._item_id)
+        elif kind == "reasoning":
+            out.append(fmt.event("response.reasoning_text.done", **at, content_index=0, text=text))
+            item = fmt.reasoning_item(text, "completed")
+        elif kind == "call":
+            call = self._call
+            out.append(
+                fmt.event(
+                    "response.function_call_arguments.done",
+                    **at,
+                    name=call["name"],
+                    arguments=text,
+                )
+            )
+            item = {**call, "arguments": text, "status": "completed"}
+        else:
+            return out
+        out.append(fmt.event("response.output_item.done", output_index=len(self.done), item=item))
+        self.done.append(item)
+        self._open = None
+        return out

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (pydantic at the HTTP edge).
 
 Fields the OpenAI SDK sends that Sluice has no use for (`metadata`, `user`, `store`,
-`parallel_tool_calls`, `safety_identifier`, `prompt_cache_key`, ...) are accepted and
+`safety_identifier`, `prompt_cache_key`, ...) are accepted and
 ignored; unknown fields are ignored too, as the SDK's own forward-compatible fields
 would otherwise break clients. Parameters that would change the output and that Sluice
 cannot honour are refused by `api.prepare` with a 400 naming the parameter.
@@ -106,12 +106,21 @@ class _Sampling(RequestBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's; not served
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's
+    # vLLM's output constraints (`api.structured`): one of them, or response_format
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (`api.tools`)
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -136,6 +145,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     # vLLM's extension: each choice (and each streamed chunk's) carries its `token_ids`
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None  # vLLM's, as chat's
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -171,11 +181,43 @@ class ResponseInputMessage(_Body):
     content: str | list[ResponseInputText]
 
 
+class ResponseFunctionCall(_Body):
+    """A call the model made earlier, sent back as input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCallOutput(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponseInputText]
+
+
+class ResponseReasoningInput(_Body):
+    """A reasoning item of an earlier output, sent back: not rendered again."""
+
+    type: Literal["reasoning"]
+
+
+ResponseInputItem = (
+    ResponseInputMessage
+    | ResponseFunctionCall
+    | ResponseFunctionCallOutput
+    | ResponseReasoningInput
+)
+
+
 class ResponsesRequest(RequestBody):
-    """`POST /v1/responses` and the WebSocket `response.create` event (text only)."""
+    """`POST /v1/responses` and the WebSocket `response.create` event (text, function
+    tools)."""
 
     model: str
-    input: str | list[ResponseInputMessage]
+    input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -201,8 +243,8 @@ class ResponsesRequest(RequestBody):
     @field_validator("input")
     @classmethod
     def _input_not_empty(
-        cls, value: str | list[ResponseInputMessage]
-    ) -> str | list[ResponseInputMessage]:
+        cls, value: str | list[ResponseInputItem]
+    ) -> str | list[ResponseInputItem]:
         if isinstance(value, list) and not value:
             raise ValueError("must hold at least one message")
         return value

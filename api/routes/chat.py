@@ -8,22 +8,30 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import prepare
+from api import output, prepare, structured, tools
 from api.auth import Principal
 from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import InvalidRequest, error_for_finish
-from api.formatting import ChatFormat, generation_usage
+from api.formatting import ChatFormat, generation_usage, with_reasoning_tokens
 from api.generation import Generation
+from api.output import ChoiceReader, OutputPlan, reasoning_tokens
 from api.prepare import Call
+from api.reasoning import CLOSE
 from api.schemas import ChatCompletionRequest
 from api.served import ServedModel
 from api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
-from bus.messages import SamplingSpec
+from api.tools import ToolPlan
+from bus.messages import SamplingSpec, StructuredSpec
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 
 
-def _sampling(body: ChatCompletionRequest, model: ServedModel, prompt_len: int) -> SamplingSpec:
+def _sampling(
+    body: ChatCompletionRequest,
+    model: ServedModel,
+    prompt_len: int,
+    spec: StructuredSpec | None,
+) -> SamplingSpec:
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, model.max_model_len - prompt_len)
@@ -38,34 +46,92 @@ def _sampling(body: ChatCompletionRequest, model: ServedModel, prompt_len: int) 
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured=spec,
+        **prepare.penalties(body, model),
     )
 
 
-def _validate(body: ChatCompletionRequest, gw: Gateway) -> None:
+def _validate(body: ChatCompletionRequest, gw: Gateway) -> ToolPlan:
     prepare.check_common(body, gw.limits)
-    if body.tools and body.tool_choice != "none":
-        raise prepare.refuse("tools", "tool calling is not supported by this server")
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise prepare.refuse("response_format", f"response_format {fmt!r} is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest(
             "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     prepare.check_logprobs(body.top_logprobs, gw.limits, "top_logprobs")
+    return tools.chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
+def constraint(
+    model: ServedModel, plan: ToolPlan, spec: StructuredSpec | None, param: str | None
+) -> StructuredSpec | None:
+    """The request's one constraint (its format, or a forced tool call), compiled once
+    here so a bad one is a 400; with a reasoning parser it starts after the reasoning."""
+    if plan.forced:
+        if spec is not None:
+            raise InvalidRequest(
+                f"tool_choice {plan.choice!r} cannot be combined with {param}",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        spec, param = tools.call_grammar(plan, model.tool_parser), "tool_choice"
+    if spec is None:
+        return None
+    structured.check_compiles(model, spec, param or "response_format")
+    if model.reasoning_parser == "think":
+        spec = spec.model_copy(update={"after": CLOSE})
+    return spec
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as `api.tools.render_messages` takes them."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        message: dict[str, Any] = {
+            "role": m.role,
+            "content": prepare.message_text(m.content, f"messages[{i}].content"),
+        }
+        if m.tool_calls:
+            message["tool_calls"] = tools.call_history(m.tool_calls, f"messages[{i}].tool_calls")
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id or ""
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    return messages
+
+
+def output_plan(body: ChatCompletionRequest, model: ServedModel) -> OutputPlan:
+    """How this request's output is read (for the route and for batch output lines)."""
+    plan = tools.chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    return output.output_plan(model, plan)
+
+
+def compiles(body: ChatCompletionRequest) -> bool:
+    """Whether building this body compiles a constraint (it then builds off the loop)."""
+    return bool(
+        body.response_format
+        or body.structured_outputs
+        or body.guided_json is not None
+        or body.guided_regex is not None
+        or body.guided_choice is not None
+        or body.guided_grammar is not None
+        or (body.tools and body.tool_choice not in (None, "none", "auto"))
+    )
 
 
 def build(
     body: ChatCompletionRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> tuple[Call, ServedModel]:
     model = gw.models.get(body.model)
-    _validate(body, gw)
-    messages = [
-        {"role": m.role, "content": prepare.message_text(m.content, f"messages[{i}].content")}
-        for i, m in enumerate(body.messages)
-    ]
-    prompt_ids = prepare.render_chat(model, messages)
-    sampling = _sampling(body, model, len(prompt_ids))
+    plan = _validate(body, gw)
+    spec, param = structured.request_spec(body)
+    spec = constraint(model, plan, spec, param)
+    template = getattr(model.tokenizer, "chat_template", None)
+    messages, variables = tools.render_messages(
+        chat_messages(body), plan, model.tool_parser, template
+    )
+    prompt_ids = prepare.render_chat(model, messages, variables)
+    sampling = _sampling(body, model, len(prompt_ids), spec)
     prepare.check_prompt(model, prompt_ids, sampling.max_tokens, "messages")
     call = gw.call(
         headers,
@@ -89,18 +155,19 @@ async def create_chat_completion(
 ) -> Response | dict[str, Any]:
     cid = call_id(request)
     call, model = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid)
+        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
     )
+    plan = output_plan(body, model)
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ChatFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(generation, fmt, call, body, include_usage, gw.sse_ping_s))
+        return SSEResponse(_stream(generation, fmt, call, body, plan, include_usage, gw.sse_ping_s))
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(fmt.completion(results, usage_obj, body.logprobs))
+    return JSONResponse(fmt.completion(results, usage_obj, body.logprobs, plan))
 
 
 async def _stream(
@@ -108,9 +175,11 @@ async def _stream(
     fmt: ChatFormat,
     call: Call,
     body: ChatCompletionRequest,
+    plan: OutputPlan,
     include_usage: bool,
     ping_s: float,
 ) -> AsyncIterator[str]:
+    readers = [ChoiceReader(plan) for _ in generation.tracks]
     try:
         for index in range(len(generation.tracks)):
             yield sse_data(fmt.chunk(index, {"role": "assistant", "content": ""}))
@@ -118,10 +187,24 @@ async def _stream(
             if ev is None:
                 yield PING
                 continue
-            if ev.text or (body.logprobs and ev.logprobs):
-                yield sse_data(
-                    fmt.chunk(ev.index, {"content": ev.text}, None, ev.logprobs, body.logprobs)
-                )
+            if plan.plain:
+                if ev.text or (body.logprobs and ev.logprobs):
+                    yield sse_data(
+                        fmt.chunk(ev.index, {"content": ev.text}, None, ev.logprobs, body.logprobs)
+                    )
+            else:
+                reader = readers[ev.index]
+                pieces = reader.feed(ev.text) if ev.text else []
+                if ev.finish_reason is not None:
+                    pieces += reader.finish()
+                logprobs = ev.logprobs if body.logprobs else None
+                for piece in pieces:
+                    yield sse_data(
+                        fmt.chunk(ev.index, fmt.delta(piece), None, logprobs, bool(logprobs))
+                    )
+                    logprobs = None
+                if logprobs:  # tokens whose text is held back still show their logprobs
+                    yield sse_data(fmt.chunk(ev.index, {"content": ""}, None, logprobs, True))
             if ev.finish_reason is None:
                 continue
             error = error_for_finish(ev.finish_reason, ev.error)
@@ -129,9 +212,16 @@ async def _stream(
                 yield sse_data(error.body())
                 yield DONE
                 return
-            yield sse_data(fmt.chunk(ev.index, {}, ev.finish_reason))
+            finish: str = ev.finish_reason
+            if readers[ev.index].calls and finish == "stop":
+                finish = "tool_calls"
+            yield sse_data(fmt.chunk(ev.index, {}, finish))
         if include_usage:
-            yield sse_data(fmt.usage_chunk(generation_usage(call.num_prompt_tokens, generation)))
+            usage_obj = generation_usage(call.num_prompt_tokens, generation)
+            if plan.reasoning:
+                count = reasoning_tokens(fmt.tokenizer, readers)
+                usage_obj = with_reasoning_tokens(usage_obj, count)
+            yield sse_data(fmt.usage_chunk(usage_obj))
         yield DONE
     finally:
         generation.abandon()

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import prepare
+from api import prepare, structured
 from api.auth import Principal
 from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import error_for_finish
@@ -29,13 +29,17 @@ def build(
 ) -> tuple[Call, ServedModel]:
     model = gw.models.get(body.model)
     prepare.check_common(body, gw.limits)
-    if body.echo:
-        raise prepare.refuse("echo", "echo is not supported by this server")
+    if body.echo and body.logprobs is not None:
+        # echo's logprobs are the prompt's, which the engine's replies do not carry
+        raise prepare.refuse("echo", "echo with logprobs is not supported by this server")
     if body.suffix:
         raise prepare.refuse("suffix", "suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
         raise prepare.refuse("best_of", "best_of other than n is not supported")
     prepare.check_logprobs(body.logprobs, gw.limits, "logprobs")
+    spec, param = structured.request_spec(body)
+    if spec is not None:
+        structured.check_compiles(model, spec, param or "structured_outputs")
     prompts = prepare.encode_prompts(model, body.prompt)
     max_tokens = body.max_tokens or 16
     for prompt_ids in prompts:
@@ -51,6 +55,8 @@ def build(
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
+        structured=spec,
+        **prepare.penalties(body, model),
     )
     call = gw.call(
         headers,
@@ -65,6 +71,33 @@ def build(
     return call, model
 
 
+def echo_texts(body: CompletionRequest, model: ServedModel) -> list[str] | None:
+    """With `echo`, each choice's prompt text (choices run prompt by prompt, n each); token
+    id prompts decoded as vLLM does, special tokens kept."""
+    if not body.echo:
+        return None
+    prompt = body.prompt
+    prompts: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    texts = [
+        p if isinstance(p, str) else model.tokenizer.decode(p, skip_special_tokens=False)
+        for p in prompts
+    ]
+    return [text for text in texts for _ in range(body.n)]
+
+
+def compiles(body: CompletionRequest) -> bool:
+    return bool(
+        body.response_format
+        or body.structured_outputs
+        or body.guided_json is not None
+        or body.guided_regex is not None
+        or body.guided_choice is not None
+        or body.guided_grammar is not None
+    )
+
+
 @router.post("/completions", response_model=None)
 async def create_completion(
     body: CompletionRequest,
@@ -74,8 +107,9 @@ async def create_completion(
 ) -> Response | dict[str, Any]:
     cid = call_id(request)
     call, model = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid)
+        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
     )
+    echo = echo_texts(body, model)
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     want_logprobs = body.logprobs is not None
@@ -88,13 +122,16 @@ async def create_completion(
                 call,
                 _Wants(want_logprobs, body.return_token_ids, include_usage),
                 gw.sse_ping_s,
+                echo,
             )
         )
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(fmt.completion(results, usage_obj, want_logprobs, body.return_token_ids))
+    return JSONResponse(
+        fmt.completion(results, usage_obj, want_logprobs, body.return_token_ids, echo)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +149,13 @@ async def _stream(
     call: Call,
     wants: _Wants,
     ping_s: float,
+    echo: list[str] | None = None,
 ) -> AsyncIterator[str]:
     text_offsets = [0] * len(generation.tracks)
     try:
+        for index, text in enumerate(echo or []):  # the prompt comes first
+            yield sse_data(fmt.chunk(index, text, None, None, 0, False))
+            text_offsets[index] = len(text)
         async for ev in pump(generation, ping_s):
             if ev is None:
                 yield PING

@@ -1,4 +1,4 @@
-"""`POST /v1/responses` (text in, text out) and its WebSocket mode on the same path.
+"""`POST /v1/responses` (text and function tools) and its WebSocket mode on the same path.
 
 The WebSocket mode is OpenAI's (the API reference's Responses WebSocket mode;
 openai-python `resources/responses/responses.py::connect`): `response.create` events in, the
@@ -19,13 +19,21 @@ from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api import prepare
+from api import output, prepare, structured, tools
 from api.auth import Principal, authenticate
 from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import APIError
+from api.output import OutputPlan
 from api.prepare import Call
 from api.responses_format import ResponsesFormat, text_format_type
-from api.schemas import ResponsesRequest
+from api.routes import chat
+from api.schemas import (
+    ResponseFunctionCall,
+    ResponseFunctionCallOutput,
+    ResponseInputMessage,
+    ResponsesRequest,
+)
+from api.served import ServedModel
 from api.streaming import (
     PING,
     SSEResponse,
@@ -43,6 +51,8 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input as chat messages (`api.tools.render_messages`'s shape): a function call
+    joins the assistant turn before it, its output is a `tool` message."""
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
@@ -50,6 +60,22 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": body.input})
         return messages
     for i, item in enumerate(body.input):
+        if isinstance(item, ResponseFunctionCall):
+            call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if isinstance(item, ResponseFunctionCallOutput):
+            output = item.output
+            if not isinstance(output, str):
+                output = prepare.message_text([p.model_dump() for p in output], f"input[{i}]")
+            messages.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
+            continue
+        if not isinstance(item, ResponseInputMessage):
+            continue  # reasoning items of an earlier output are not rendered again
         content = item.content
         if not isinstance(content, str):
             content = prepare.message_text([p.model_dump() for p in content], f"input[{i}]")
@@ -58,27 +84,43 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _tools(body: ResponsesRequest) -> tools.ToolPlan:
+    return tools.responses_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
+def output_plan(body: ResponsesRequest, model: ServedModel) -> OutputPlan:
+    return output.output_plan(model, _tools(body))
+
+
+def compiles(body: ResponsesRequest) -> bool:
+    return text_format_type(body.text) != "text" or (
+        bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    )
+
+
 def build(
     body: ResponsesRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> Call:
     model = gw.models.get(body.model)
     if body.previous_response_id:
         raise prepare.refuse("previous_response_id", "responses are not stored by this server")
-    if body.tools:
-        raise prepare.refuse("tools", "tool calling is not supported by this server")
     if body.background:
         raise prepare.refuse("background", "background responses are not supported")
-    fmt = text_format_type(body.text)
-    if fmt != "text":
-        raise prepare.refuse("text.format", f"text format {fmt!r} is not supported")
+    text_format_type(body.text)  # checks its shape
+    plan = _tools(body)
+    spec = structured.response_format_spec((body.text or {}).get("format"), "text.format")
+    spec = chat.constraint(model, plan, spec, "text.format")
     prepare.check_logprobs(body.top_logprobs, gw.limits, "top_logprobs")
-    prompt_ids = prepare.render_chat(model, _messages(body))
+    template = getattr(model.tokenizer, "chat_template", None)
+    messages, variables = tools.render_messages(_messages(body), plan, model.tool_parser, template)
+    prompt_ids = prepare.render_chat(model, messages, variables)
     max_tokens = body.max_output_tokens or max(1, model.max_model_len - len(prompt_ids))
     prepare.check_prompt(model, prompt_ids, max_tokens, "input")
     sampling = SamplingSpec(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         max_tokens=max_tokens,
+        structured=spec,
     )
     return gw.call(
         headers,
@@ -101,10 +143,18 @@ async def create_response(
 ) -> Response | dict[str, Any]:
     cid = call_id(request)
     call = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid)
+        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
     )
+    model = gw.models.get(body.model)
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
-    fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
+    fmt = ResponsesFormat(
+        call.call_id,
+        body,
+        call.tier,
+        call.num_prompt_tokens,
+        output_plan(body, model),
+        model.tokenizer,
+    )
     if body.stream:
         return SSEResponse(_sse(fmt.events(generation, gw.sse_ping_s), generation.abandon))
     results = await collect_answer(request, generation)
@@ -155,7 +205,15 @@ async def responses_websocket(websocket: WebSocket) -> None:
         except APIError as exc:
             yield ws_error(exc.status_code, exc.message, exc.code, exc.param)
             return
-        fmt = ResponsesFormat(call.call_id, body, call.tier, call.num_prompt_tokens)
+        model = gw.models.get(body.model)
+        fmt = ResponsesFormat(
+            call.call_id,
+            body,
+            call.tier,
+            call.num_prompt_tokens,
+            output_plan(body, model),
+            model.tokenizer,
+        )
         try:
             async for out in fmt.events(generation, gw.sse_ping_s):
                 if out is not None:

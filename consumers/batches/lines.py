@@ -311,15 +311,18 @@ def answer_body(
         completion_tokens = sum(len(r.token_ids) for r in results)
     tier = lane_for(parsed.service_tier)[1]  # as the endpoint reports it
     if isinstance(parsed, ResponsesRequest):
-        fmt = ResponsesFormat(call_id, parsed, tier, prompt_tokens)
+        plan = responses.output_plan(parsed, model)
+        fmt = ResponsesFormat(call_id, parsed, tier, prompt_tokens, plan, model.tokenizer)
         fmt.created_at = created
         return fmt.final(results[0], completion_tokens, cached_tokens)
     usage_obj = usage(prompt_tokens, completion_tokens, cached_tokens)
     if isinstance(parsed, ChatCompletionRequest):
         chat_fmt = ChatFormat(call_id, model.name, created, tier, model.tokenizer)
-        return chat_fmt.completion(results, usage_obj, bool(parsed.logprobs))
+        plan = chat.output_plan(parsed, model)  # tool calls and reasoning read as the route does
+        return chat_fmt.completion(results, usage_obj, bool(parsed.logprobs), plan)
     cmpl_fmt = CompletionFormat(call_id, model.name, created, tier, model.tokenizer)
-    return cmpl_fmt.completion(results, usage_obj, parsed.logprobs is not None)
+    echo = completions.echo_texts(parsed, model)
+    return cmpl_fmt.completion(results, usage_obj, parsed.logprobs is not None, False, echo)
 
 
 def run_error(results: list[ChoiceResult]) -> APIError | None:
