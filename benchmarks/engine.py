@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from benchmarks import engine_peers as peers
 from benchmarks import vllm_peer
 from benchmarks.stats import run_figures
 from benchmarks.vllm_peer import PeerError, PeerSetup, VllmPeer, Workload
-from engine.backends.base import EngineRequest
+from engine.backends.base import EngineDelta, EngineRequest
 from engine.backends.torch_backend import apply_process_options
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
@@ -108,17 +109,32 @@ class SluiceRun:
         )
         self.peak_blocks = 0
 
-    def run(self, prompts: list[list[int]], outputs: list[int], tag: str = "r") -> dict:
+    def run(
+        self,
+        prompts: list[list[int]],
+        outputs: list[int],
+        tag: str = "r",
+        params: list[SamplingParams] | None = None,
+        on_delta: Callable[[EngineDelta], None] | None = None,
+    ) -> dict:
+        """`params`: each request's own (default: greedy, `outputs` tokens, EOS ignored);
+        `on_delta`: sees every delta (`sluice bench structured` reads the outputs)."""
         t0 = time.perf_counter()
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
-            params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
-            self.core.add_request(EngineRequest(f"{tag}{i}", list(p), params))
+            sp = (
+                params[i]
+                if params
+                else SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+            )
+            self.core.add_request(EngineRequest(f"{tag}{i}", list(p), sp))
         first: dict[str, float] = {}
         generated = 0
         kv = self.core.scheduler.kv_cache_manager
         usable = self.runner.num_kv_blocks - 1
         while self.core.has_unfinished():
             for d in self.core.step():
+                if on_delta is not None:
+                    on_delta(d)
                 if d.token_ids:
                     generated += len(d.token_ids)
                     first.setdefault(d.request_id, time.perf_counter() - t0)

@@ -330,6 +330,47 @@ def bench_money(
     emit(run(quick=quick, only=only, fleet=fleet), render, as_json)
 
 
+@bench_app.command("structured")
+def bench_structured(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="The smaller mixed workload, one rep.")] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A preset name, a Hugging Face model directory or a .gguf file.",
+            show_default="smollm2-135m-instruct",
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    requests: Annotated[
+        int | None, typer.Option(help="Only the first N requests of the workload (a smoke run).")
+    ] = None,
+    vllm: Annotated[
+        bool, typer.Option(help="Add vLLM's CPU build, installed by `scripts/peers vllm`.")
+    ] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """JSON-schema constraints in Sluice's engine: the mixed workload with every request
+    under a schema of the suite beside it unconstrained (tokens/s ratio, goal >= 0.95x),
+    the share of outputs that validate (goal: all that finished), and grammar compile
+    time p50/p99, cold and cached.
+
+    Needs jsonschema, from the project's test extra.
+    """
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    from benchmarks.structured import render, run
+
+    result = run(
+        quick=quick,
+        model=model,
+        dtype=dtype,
+        data_dir=str(settings.data_dir),
+        vllm=vllm,
+        requests=requests,
+    )
+    emit(result, render, as_json)
+
+
 def main() -> None:
     try:
         app(prog_name="sluice")
