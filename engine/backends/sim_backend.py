@@ -33,6 +33,7 @@ from engine.backends.base import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    RequestRejectedError,
     call_on_loop,
     check_request,
     queued_batches,
@@ -159,6 +160,10 @@ class SimEngineBackend:
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
         check_request(request, self.max_model_len, self.vocab_size)
+        # its tokens are a model's stand-ins: no grammar could hold them (penalties and
+        # logit_bias are accepted and, like temperature, change nothing here)
+        if request.sampling_params.constraint is not None:
+            raise RequestRejectedError("the sim backend has no structured outputs")
         self.core.check_fits(request)
         self._post(("add", request), dead_error=True)
 

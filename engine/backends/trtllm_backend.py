@@ -50,13 +50,14 @@ from engine.backends.base import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    RequestRejectedError,
     TokenLogprob,
     call_on_loop,
     check_request,
     queued_batches,
     terminal_delta,
 )
-from engine.sampling import generator_seed
+from engine.sampling import Constraint, generator_seed
 
 __all__ = ["TrtllmEngineBackend"]
 
@@ -109,8 +110,12 @@ class TrtllmEngineBackend:
         kv_cache_fraction: float = 0.9,
         enable_block_reuse: bool = True,
         stats_interval_s: float = 2.0,
+        guided_decoding_backend: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        # "llguidance" (our grammars are its Lark) or "xgrammar"; None: structured
+        # outputs are refused, as the runtime would refuse them
+        self.guided_decoding_backend = guided_decoding_backend
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
@@ -168,6 +173,11 @@ class TrtllmEngineBackend:
                 free_gpu_memory_fraction=self.kv_cache_fraction,
             ),
             enable_iter_perf_stats=True,  # else get_stats_async yields nothing
+            **(
+                {"guided_decoding_backend": self.guided_decoding_backend}
+                if self.guided_decoding_backend
+                else {}
+            ),
         )
         self._sampling_params = SamplingParams
         # priority arrived after cache_salt; pass each only where the installed version has it
@@ -233,6 +243,7 @@ class TrtllmEngineBackend:
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
         check_request(request, self.max_model_len, self.vocab_size)
+        self._check_supported(request)
         with self._lock:
             loop = self._loop
             if loop is None or self._closed or self._stopping:
@@ -369,6 +380,23 @@ class TrtllmEngineBackend:
         new, live.num_text_sent = text[live.num_text_sent : end], end
         return new
 
+    def _check_supported(self, request: EngineRequest) -> None:
+        """What TensorRT-LLM's public SamplingParams cannot express: refused up front."""
+        params = request.sampling_params
+        if params.logit_bias:
+            raise RequestRejectedError("the trtllm backend has no logit_bias")
+        if params.prompt_logprobs is not None:
+            raise RequestRejectedError("the trtllm backend has no prompt_logprobs")
+        constraint = params.constraint
+        if constraint is None:
+            return
+        if self.guided_decoding_backend is None:
+            raise RequestRejectedError("the trtllm backend runs without guided decoding")
+        if constraint.after is not None:
+            raise RequestRejectedError("the trtllm backend cannot start a constraint after text")
+        if constraint.kind == "grammar" and self.guided_decoding_backend != "llguidance":
+            raise RequestRejectedError("grammar (Lark) needs guided_decoding_backend=llguidance")
+
     def _to_sampling_params(self, request: EngineRequest) -> Any:
         params = request.sampling_params
         # the runtime stops at max_seq_len; ask no further, so the reason reads 'length'
@@ -383,6 +411,17 @@ class TrtllmEngineBackend:
             "stop_token_ids": list(params.stop_token_ids) or None,
             "ignore_eos": params.ignore_eos,
         }
+        # only where set: the fields arrived over versions, and defaults need not travel
+        if params.frequency_penalty:
+            kwargs["frequency_penalty"] = params.frequency_penalty
+        if params.presence_penalty:
+            kwargs["presence_penalty"] = params.presence_penalty
+        if params.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = params.repetition_penalty
+        if params.constraint is not None:
+            from tensorrt_llm.llmapi import GuidedDecodingParams
+
+            kwargs["guided_decoding"] = GuidedDecodingParams(**guided_kwargs(params.constraint))
         if params.greedy:
             kwargs["top_k"] = 1  # TensorRT-LLM takes temperature > 0 only: greedy is top-1
         else:
@@ -536,3 +575,23 @@ class TrtllmEngineBackend:
             num_prompt_tokens=self._num_prompt_tokens,
             num_cached_tokens=self._num_cached_tokens,
         )
+
+
+_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+
+
+def guided_kwargs(constraint: Constraint) -> dict[str, Any]:
+    """A `Constraint` as `tensorrt_llm.llmapi.GuidedDecodingParams` fields (a choice is a
+    regex of its alternatives, escaped for any regex dialect)."""
+    kind, value = constraint.kind, constraint.value
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        return {"json": value}
+    if kind == "regex":
+        return {"regex": value}
+    if kind == "grammar":
+        return {"grammar": value}
+    choices = json.loads(value)
+    escaped = ("".join("\\" + c if c in _REGEX_SPECIAL else c for c in s) for s in choices)
+    return {"regex": "(?:" + "|".join(escaped) + ")"}
