@@ -109,9 +109,9 @@ class LogitsProcessor:
         sub = logits.index_select(0, idx)
         counts = torch.stack(
             [
-                torch.bincount(torch.tensor(output_token_ids(r), dtype=torch.int64), minlength=vocab)[
-                    :vocab
-                ]
+                torch.bincount(
+                    torch.tensor(output_token_ids(r), dtype=torch.int64), minlength=vocab
+                )[:vocab]
                 for _, r in penalised
             ]
         ).to(logits.dtype)

@@ -4,8 +4,8 @@ Called by `engine.runner.model_runner` after the model step, one row per request
 samples. Order of operations (as vLLM and TensorRT-LLM apply them): temperature, then top-k,
 then top-p, then draw. Temperature 0 is greedy (argmax). A request with a seed draws from its own
 `torch.Generator`, so its tokens do not depend on its batch neighbours; others share the
-sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits (before penalties, bias
-and grammar, as vLLM returns them by default).
+sampler's generator. Logprobs are the raw log-softmax of the unprocessed logits (before
+penalties, bias and grammar, as vLLM returns them by default).
 """
 
 from __future__ import annotations

@@ -123,8 +123,7 @@ class SamplingParams:
             0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
         ):
             raise SamplingParamsError(
-                f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], "
-                f"got {self.prompt_logprobs}"
+                f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.prompt_logprobs}"
             )
         if self.constraint is not None and self.constraint.kind not in CONSTRAINT_KINDS:
             raise SamplingParamsError(

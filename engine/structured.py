@@ -58,7 +58,8 @@ def grammar_for(constraint: Constraint) -> str:
             raise StructuredOutputError("json_schema must be a JSON object")
         try:
             return LLMatcher.grammar_from_json_schema(
-                value if isinstance(schema, dict) else {}, defaults=_JSON_OPTIONS  # type: ignore[arg-type]
+                value if isinstance(schema, dict) else {},
+                defaults=_JSON_OPTIONS,  # type: ignore[arg-type]
             )
         except ValueError as exc:
             raise StructuredOutputError(f"invalid json_schema: {_one_line(str(exc))}") from None

@@ -303,7 +303,9 @@ class ModelRunner:
             matchers,
             self.grammars.mask_words if self.grammars is not None else 0,
         )
-        gens = [self._generator(s.request_id, p.seed) for s, p in zip(sampling, params, strict=True)]
+        gens = [
+            self._generator(s.request_id, p.seed) for s, p in zip(sampling, params, strict=True)
+        ]
         out = self.sampler.sample(logits, params, gens, raw)
         sampled: list[SampledToken] = []
         for i, s in enumerate(sampling):

@@ -41,8 +41,12 @@ def reference(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 
 def make_request(i: int, gen: torch.Generator, **params: object) -> Request:
-    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
-    output = torch.randint(0, VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen)
+    prompt = torch.randint(
+        0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen
+    )
+    output = torch.randint(
+        0, VOCAB, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen
+    )
     request = Request(
         f"r{i}",
         prompt.tolist(),

@@ -85,7 +85,11 @@ def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Result]:
     assert not core.has_unfinished()
     check_all_returned(core.scheduler)
     return {
-        rid: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds), ds[-1].finish_reason)
+        rid: (
+            [t for d in ds for t in d.token_ids],
+            "".join(d.text for d in ds),
+            ds[-1].finish_reason,
+        )
         for rid, ds in out.items()
     }
 
@@ -161,9 +165,7 @@ def test_preemption_keeps_the_matcher(
     constrained: dict[str, Result],
 ) -> None:
     baseline = {k: v for k, v in constrained.items() if k.startswith("schema/")}
-    needed = max(
-        -(-(len(p) + len(baseline[f"schema/{i}"][0])) // 4) for i, p in enumerate(prompts)
-    )
+    needed = max(-(-(len(p) + len(baseline[f"schema/{i}"][0])) // 4) for i, p in enumerate(prompts))
     core = make_core(loaded, grammars, num_kv_blocks=needed + 3)
     c = CONSTRAINTS["schema"]
     result = run(core, [EngineRequest(f"schema/{i}", p, greedy(c)) for i, p in enumerate(prompts)])
@@ -199,8 +201,8 @@ def test_after_starts_the_constraint_once_the_text_is_there(
     free, _, _ = run(core, [EngineRequest("free", prompts[1], greedy(max_tokens=12))])["free"]
     # the first printable ASCII character of the free output, and the token that has it
     seen = b""
-    for k, token in enumerate(free, 1):
-        seen += grammars.ll_tokenizer.decode_bytes([token])
+    for k in range(1, len(free) + 1):
+        seen += grammars.ll_tokenizer.decode_bytes([free[k - 1]])
         ascii_chars = [chr(b) for b in seen if 33 <= b < 127]
         if ascii_chars:
             after = ascii_chars[0]
@@ -208,7 +210,7 @@ def test_after_starts_the_constraint_once_the_text_is_there(
     else:
         pytest.skip("the model wrote no ASCII")
     c = Constraint("choice", json.dumps(CHOICES), after=after)
-    tokens, text, reason = run(core, [EngineRequest("after", prompts[1], greedy(c))])["after"]
+    tokens, _, reason = run(core, [EngineRequest("after", prompts[1], greedy(c))])["after"]
     assert tokens[:k] == free[:k] and reason == "stop"
     assert loaded.tokenizer.decode(tokens[k:]) in CHOICES
 

@@ -88,4 +88,6 @@ def test_what_the_api_cannot_express_is_refused(
 def test_no_guided_backend_refuses_constraints() -> None:
     b = TrtllmEngineBackend("unused", max_model_len=128, vocab_size=100)
     with pytest.raises(RequestRejectedError, match="guided"):
-        b._check_supported(EngineRequest("r", [1], SamplingParams(constraint=Constraint("json_object"))))
+        b._check_supported(
+            EngineRequest("r", [1], SamplingParams(constraint=Constraint("json_object")))
+        )
