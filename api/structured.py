@@ -96,7 +96,10 @@ def request_spec(body: Any) -> tuple[StructuredSpec | None, str | None]:
     if fmt is not None:
         spec = response_format_spec(fmt, "response_format")
         if spec is not None:
-            found.append((spec, "response_format"))
+            nested = spec.kind == "json_schema" and "json_schema" in fmt
+            found.append(
+                (spec, "response_format.json_schema.schema" if nested else "response_format")
+            )
     so = getattr(body, "structured_outputs", None) or {}
     for key, kind in _STRUCTURED_KEYS.items():
         value = so.get(key)

@@ -109,7 +109,8 @@ def build(
     text_format_type(body.text)  # checks its shape
     plan = _tools(body)
     spec = structured.response_format_spec((body.text or {}).get("format"), "text.format")
-    spec = chat.constraint(model, plan, spec, "text.format")
+    param = "text.format.schema" if spec is not None and spec.kind == "json_schema" else None
+    spec = chat.constraint(model, plan, spec, param or "text.format")
     prepare.check_logprobs(body.top_logprobs, gw.limits, "top_logprobs")
     template = getattr(model.tokenizer, "chat_template", None)
     messages, variables = tools.render_messages(_messages(body), plan, model.tool_parser, template)
