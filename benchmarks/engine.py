@@ -41,7 +41,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 from engine.loader import LoadedModel, load_model, resolve_model_dir
 from engine.options import EngineOptions
-from engine.runner.model_runner import ModelRunner, compute_dtype
+from engine.runner.model_runner import ModelRunner, compute_dtype, torch_dtype
 from engine.sampling import SamplingParams
 
 BENCH_MODEL = {
@@ -391,6 +391,8 @@ def _start_vllm(
     if not vllm_peer.available():
         skipped["vllm"] = vllm_peer.INSTALL_HINT
         return None
+    if path.suffix == ".gguf":  # vLLM on the same weights as a Hugging Face directory
+        path = peers.export_hf(path, Path(".peers/exports"), torch_dtype(dtype))
     setup = PeerSetup(
         model=str(path),
         dtype=dtype,

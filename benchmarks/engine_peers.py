@@ -30,6 +30,27 @@ def load_hf(path: Path, dtype: torch.dtype) -> Any:
     return model.eval()
 
 
+def export_hf(gguf: Path, dest: Path, dtype: torch.dtype) -> Path:
+    """The GGUF as a Hugging Face directory (weights de-quantized into `dtype` by
+    transformers, its tokenizer and chat template) for peers that read no GGUF, such as
+    vLLM here; written once per file and dtype under `dest`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = dest / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}"
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    # the weights are plain tensors once loaded: save them as such, not as "gguf-quantized"
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
 def hf_static(model: Any, prompts: list[list[int]], outputs: list[int], batch: int = 32) -> dict:
     """Left-padded static batches of `batch`; each batch runs to its longest output."""
     useful = sum(outputs)
