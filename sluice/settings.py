@@ -203,11 +203,12 @@ class ModelSettings(_Base):
         default=None,
         description="the model name sent upstream; unset: the upstream's first model",
     )
-    upstream_dialect: Literal["vllm", "trtllm"] = Field(
+    upstream_dialect: Literal["vllm", "sglang", "trtllm"] = Field(
         default="vllm",
-        description="how the upstreams return token ids: 'vllm' (vLLM, SGLang, sluice"
-        " serve: return_token_ids) or 'trtllm' (trtllm-serve: detokenize=false, the text"
-        " and stop strings done by the worker)",
+        description="the upstreams' request fields: 'vllm' (vLLM, sluice serve:"
+        " return_token_ids, structured_outputs), 'sglang' (return_token_ids; json_schema,"
+        " regex) or 'trtllm' (trtllm-serve: detokenize=false, the text and stop strings"
+        " done by the worker; response_format)",
     )
     upstream_health_path: str = Field(
         default="/health",
