@@ -131,6 +131,8 @@ class EngineCore:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises RequestRejectedError if it can never run."""
         check_request(engine_request, self.config.max_model_len, self.vocab_size)
+        if engine_request.sampling_params.prompt_logprobs is not None:
+            raise RequestRejectedError("prompt_logprobs are not supported by this engine yet")
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=list(engine_request.prompt_token_ids),

@@ -120,3 +120,20 @@ def test_check_request_refuses_logit_bias_ids_outside_the_vocab() -> None:
         check_request(bad, 128, VOCAB)
     with pytest.raises(RequestRejectedError, match="logit_bias"):
         check_request(EngineRequest("c", [1], SamplingParams(logit_bias={-1: 1.0})), 128, None)
+
+
+def test_engine_refuses_what_it_cannot_serve() -> None:
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.sampling import Constraint
+    from tests.unit.engine.fakes import FakeRunner
+
+    config = EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=64)
+    core = EngineCore(config, FakeRunner(32, 4), hash_seed=0)
+    for params in (
+        SamplingParams(prompt_logprobs=1),  # not built yet
+        SamplingParams(constraint=Constraint("json_object")),  # a runner without grammars
+    ):
+        with pytest.raises(RequestRejectedError):
+            core.add_request(EngineRequest("r", [1, 2, 3], params))
+        assert not core.has_unfinished()
