@@ -58,8 +58,12 @@ def _spec(kind: str, value: Any, param: str) -> StructuredSpec:
     if kind == "json_schema":
         return StructuredSpec(kind="json_schema", value=_schema_text(value, param))
     if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise _invalid(param, "must be a non-empty list of strings")
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise _invalid(param, "must be a non-empty list of non-empty strings")
         return StructuredSpec(kind="choice", value=json.dumps(value))
     if not isinstance(value, str) or not value:
         raise _invalid(param, "must be a non-empty string")
@@ -122,12 +126,14 @@ def request_spec(body: Any) -> tuple[StructuredSpec | None, str | None]:
 
 
 # -- compiling ---------------------------------------------------------------------------
+_JSON = {"whitespace_flexible": False}  # the engine's JSON options (engine.structured)
+
+
 def grammar_of(spec: StructuredSpec) -> str:
     """llguidance's grammar for a spec (the engine compiles the same)."""
-    if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-    if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.value)
+    if spec.kind in ("json_object", "json_schema"):
+        schema = spec.value if spec.kind == "json_schema" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON)  # type: ignore[arg-type]
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":

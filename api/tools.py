@@ -205,10 +205,15 @@ def render_messages(
     return out, {}
 
 
-def write_calls(family: str, calls: list[tuple[str, str]]) -> str:
-    """Calls as the model writes them in `family`'s format (arguments are JSON text)."""
+def write_calls(family: str, calls: list[tuple[str, str]], compact: bool = False) -> str:
+    """Calls as the model writes them in `family`'s format (arguments are JSON text);
+    `compact`: JSON without blanks, as the forced-call grammar has it."""
     key = "parameters" if family == "llama3_json" else "arguments"
-    objs = [f'{{"name": {json.dumps(name)}, "{key}": {args or "{}"}}}' for name, args in calls]
+    sep = ":" if compact else ": "
+    objs = [
+        f'{{"name"{sep}{json.dumps(name)},{"" if compact else " "}"{key}"{sep}{args or "{}"}}}'
+        for name, args in calls
+    ]
     if family == "llama3_json":
         return "; ".join(objs)
     if family == "mistral":
@@ -255,7 +260,10 @@ def call_schema(plan: ToolPlan, family: str) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+    schema = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+    # compact JSON, as the engine's own JSON constraints: free whitespace lets a weak
+    # model spin in blanks until max_tokens
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def call_grammar(plan: ToolPlan, family: str) -> StructuredSpec:
