@@ -338,3 +338,39 @@ def test_the_forced_call_grammar_accepts_calls_and_nothing_else(
             matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
             ids = smollm2.encode(bad, False)
             assert not (matcher.consume_tokens(ids) and matcher.is_accepting())
+
+
+# -- reasoning ---------------------------------------------------------------------------------
+def test_think_blocks_become_reasoning(
+    settings: GatewaySettings, memory_bus: MemoryEventBus, engine: FakeEngineWorker
+) -> None:
+    from api.served import ServedModel
+    from tests.unit.api.conftest import API_KEY
+    from tests.unit.api.fakes import ByteTokenizer
+
+    model = ServedModel("tiny", 8192, ByteTokenizer(), reasoning_parser="think")
+    app = create_app(settings, memory_bus, [model])
+    engine.reply = "<think>hmm</think>\n\n{}"
+    body = {**CHAT, "max_tokens": 100, "response_format": {"type": "json_object"}}
+    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        r = client.post("/v1/chat/completions", json=body).json()
+        assert engine.requests[-1][1].sampling.structured.after == "</think>"
+        message = r["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("hmm", "{}")
+        assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+        reasoning, content = "", ""
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/chat/completions", json=stream) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    for c in chunk["choices"]:
+                        reasoning += c["delta"].get("reasoning_content") or ""
+                        content += c["delta"].get("content") or ""
+                    usage = chunk["usage"] or {}
+        assert (reasoning, content) == ("hmm", "{}")
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+        out = client.post("/v1/responses", json={"model": "tiny", "input": "Hi"}).json()
+        assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
+        assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+        assert out["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
