@@ -4,8 +4,9 @@ The middle of the engine: the backend's loop thread calls `step()` over and over
 `EngineCore` owns the `Scheduler` and a runner (anything with
 `execute(SchedulerOutput) -> RunnerOutput`, torch or fake) and turns sampled tokens into
 `EngineDelta`s: incremental detokenization, stop strings (held back until they cannot
-be a stop-string prefix, never emitted), logprobs, and exactly one terminal delta per
-request with its usage counts. Not thread-safe: one thread drives it.
+be a stop-string prefix, never emitted), logprobs, prompt logprobs (gathered over a
+prompt's prefill chunks, sent on its first token's delta), and exactly one terminal delta
+per request with its usage counts. Not thread-safe: one thread drives it.
 
 Stop checks, in order: a completed grammar (the runner says so; its last token is
 output and text unless an EOS or stop token), EOS (unless ignore_eos; not before
@@ -31,7 +32,7 @@ from engine.backends.base import (
     check_request,
 )
 from engine.config import EngineConfig
-from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from engine.core.outputs import PromptLogprobsChunk, RunnerOutput, SampledToken, SchedulerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import RequestRejectedError
@@ -85,6 +86,8 @@ class _RequestState:
     request: Request
     detokenizer: Detokenizer | None
     want_logprobs: bool
+    # filled chunk by chunk during the prefill, sent on the first token's delta (then None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineCore:
@@ -131,8 +134,10 @@ class EngineCore:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises RequestRejectedError if it can never run."""
         check_request(engine_request, self.config.max_model_len, self.vocab_size)
-        if engine_request.sampling_params.prompt_logprobs is not None:
-            raise RequestRejectedError("prompt_logprobs are not supported by this engine yet")
+        if engine_request.sampling_params.prompt_logprobs is not None and not getattr(
+            self.runner, "computes_prompt_logprobs", False
+        ):
+            raise RequestRejectedError("this engine has no prompt_logprobs")
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=list(engine_request.prompt_token_ids),
@@ -157,8 +162,11 @@ class EngineCore:
         elif request.sampling_params.constraint is not None:
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
             raise RequestRejectedError("this engine has no structured outputs")
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        if request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None] * request.num_prompt_tokens
         self._states[request.request_id] = _RequestState(
-            request, detokenizer, request.sampling_params.logprobs is not None
+            request, detokenizer, request.sampling_params.logprobs is not None, prompt_logprobs
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -197,6 +205,10 @@ class EngineCore:
                 delta = self._terminal(EngineDelta(request_id), state, None)
                 delta.finish_reason, delta.error = "error", error
                 deltas.append(delta)
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            state = states.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                _store_prompt_logprobs(state, chunk)
         for request, sampled in self.scheduler.update_from_output(scheduler_output, runner_output):
             state = states.get(request.request_id)
             if state is not None:
@@ -212,6 +224,8 @@ class EngineCore:
         delta = EngineDelta(request.request_id, [token_id])
         if state.want_logprobs and sampled.logprob is not None:
             delta.logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]
+        if state.prompt_logprobs is not None:
+            delta.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         status = request.status
         detokenizer = state.detokenizer
         stop_reason: str | int | None = None
@@ -294,3 +308,16 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def _store_prompt_logprobs(state: _RequestState, chunk: PromptLogprobsChunk) -> None:
+    """A prefill chunk's prompt logprobs into their places (a chunk recomputed after a
+    preemption overwrites its own)."""
+    out = state.prompt_logprobs
+    assert out is not None
+    prompt = state.request.prompt_token_ids
+    for j, (logprob, rank, top) in enumerate(
+        zip(chunk.logprobs, chunk.ranks, chunk.top_logprobs, strict=True)
+    ):
+        i = chunk.start + j
+        out[i] = TokenLogprob(prompt[i], logprob, top, rank)

@@ -69,11 +69,13 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The sampled token's raw logprob and the most likely alternatives, best first."""
+    """The sampled (or prompt) token's raw logprob and the most likely alternatives, best
+    first; `rank` (1 = most likely) is set for prompt tokens."""
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -85,12 +87,15 @@ class EngineDelta:
     contains EOS, stop tokens or stop strings, and may lag token_ids while a possible stop
     string is held back. The terminal delta (finish_reason set) carries the usage counts;
     stop_reason is the stop string or stop token id that ended a 'stop' request.
+    prompt_logprobs (`SamplingParams.prompt_logprobs`): one entry per prompt token, None
+    for the first, on the request's first delta that has a token only.
     """
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int | None = None

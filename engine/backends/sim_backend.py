@@ -164,6 +164,8 @@ class SimEngineBackend:
         # logit_bias are accepted and, like temperature, change nothing here)
         if request.sampling_params.constraint is not None:
             raise RequestRejectedError("the sim backend has no structured outputs")
+        if request.sampling_params.prompt_logprobs is not None:
+            raise RequestRejectedError("the sim backend has no prompt_logprobs")
         self.core.check_fits(request)
         self._post(("add", request), dead_error=True)
 

@@ -111,11 +111,11 @@ def completion_body(
     the extras), cache_salt (vLLM's per-tenant prefix-cache salt), the penalties and
     logit_bias when set (all three peers take them; a resumed attempt's penalties see the
     earlier output as prompt, so frequency and presence counts start again), and the
-    constraint (`structured_body`). Dropped: logprobs and prompt_logprobs (the stream's
-    logprobs are strings, not ids) and priority (vLLM refuses priorities unless its
-    scheduler runs the priority policy). The 'trtllm' dialect sends `detokenize: false`
-    instead of return_token_ids, and neither stop strings (matched here, on text decoded
-    here) nor cache_salt (not in its schema).
+    constraint (`structured_body`). Dropped: logprobs (the stream's logprobs are strings,
+    not ids; prompt_logprobs are refused at `submit`) and priority (vLLM refuses
+    priorities unless its scheduler runs the priority policy). The 'trtllm' dialect sends
+    `detokenize: false` instead of return_token_ids, and neither stop strings (matched
+    here, on text decoded here) nor cache_salt (not in its schema).
     """
     params = request.sampling_params
     body: dict[str, Any] = {
@@ -378,6 +378,9 @@ class UpstreamEngineBackend:
     # -- requests in -----------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
         check_request(request, self.max_model_len, self.vocab_size)
+        if request.sampling_params.prompt_logprobs is not None:
+            # the stream's logprobs are strings, not ids: refused rather than dropped
+            raise RequestRejectedError("the upstream backend has no prompt_logprobs")
         constraint = request.sampling_params.constraint
         if constraint is not None:
             structured_body(constraint, self.dialect)  # refused now, not on the loop

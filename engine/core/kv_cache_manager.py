@@ -44,9 +44,10 @@ class KVCacheManager:
         """Longest run of cached full blocks that prefixes the request, and its token count.
 
         Never covers the last known token (the hit is capped at num_tokens - 1): that
-        token must be computed again to get logits for the next one.
+        token must be computed again to get logits for the next one. None for a request
+        that wants prompt logprobs: every prompt position's logits are needed (as vLLM).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         pool = self.block_pool

@@ -69,8 +69,22 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobsChunk:
+    """Prompt logprobs one step computed for a request (`SamplingParams.prompt_logprobs`):
+    prompt tokens [start, start + len(logprobs)) each scored given the tokens before it
+    (start >= 1), their ranks in the vocab (1 = most likely) and the top alternatives."""
+
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     sampled: list[SampledToken] = field(default_factory=list)
+    # request id -> the prompt logprobs of the chunk it prefilled this step
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # requests the runner could not serve (a grammar that does not compile): request id
     # -> why; they have no sampled token and end with 'error'
     failed: dict[str, str] = field(default_factory=dict)

@@ -91,5 +91,11 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must score every prompt token: no prefix hit, none skipped. Once it
+        has a token the prompt logprobs went out, and a recompute may hit the cache."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -4,12 +4,14 @@ Turns the scheduler's plan into flat tensors: token ids, positions, KV slots, an
 attention groups of `engine.runner.attention`. Rows are reordered so decode requests (one
 new token) come first and prefill chunks after; `logits_indices` points at the last row of
 each request that samples, in the scheduler's order, so sampled outputs keep its order.
+`prompt_rows` are the rows whose logits score the next prompt token, for requests that
+want prompt logprobs.
 Built with numpy and Python lists: no per-request torch ops (each costs ~10 µs on CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +28,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # [N] rows whose hidden state is sampled; None = all
     sampling: list[ScheduledRequest]  # the N requests that sample, scheduler order
+    # requests whose chunk scores prompt tokens (`Request.wants_prompt_logprobs`): (the
+    # request, its first row, how many rows from there score the next prompt token)
+    prompt_rows: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
 
 
 def prepare_inputs(
@@ -109,6 +114,15 @@ def prepare_inputs(
         if prefills:
             counts = torch.tensor([s.num_new_tokens for s in prefills])
             groups[-1].row_requests = torch.arange(len(prefills)).repeat_interleave(counts)
+    prompt_rows: list[tuple[ScheduledRequest, int, int]] = []
+    for s in sched.scheduled:
+        if s.request.wants_prompt_logprobs:
+            # row for position p scores prompt token p + 1; the last prompt position
+            # predicts the first output token instead
+            start = s.num_computed_tokens_before
+            n = min(start + s.num_new_tokens, s.request.num_prompt_tokens - 1) - start
+            if n > 0:
+                prompt_rows.append((s, last_row[s.request_id] - s.num_new_tokens + 1, n))
     return StepInputs(
         input_ids=rows[0],
         positions=rows[1],
@@ -117,6 +131,7 @@ def prepare_inputs(
         if every_row  # e.g. pure decode: no gather needed
         else torch.tensor(logits_rows, dtype=torch.int64, device=device),
         sampling=[s for s in sched.scheduled if s.sample],
+        prompt_rows=prompt_rows,
     )
 
 

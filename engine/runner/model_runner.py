@@ -17,7 +17,13 @@ import torch
 
 from engine import kernels
 from engine.config import EngineConfig
-from engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from engine.core.outputs import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from engine.core.request import Request
 from engine.errors import RequestRejectedError
 from engine.logits import LogitsProcessor, output_token_ids
@@ -29,7 +35,7 @@ from engine.models.cpu_linear import (
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.options import EngineOptions
 from engine.quantization import Int8Linear
-from engine.runner.inputs import prepare_inputs
+from engine.runner.inputs import StepInputs, prepare_inputs
 from engine.sampler import Sampler, greedy_tokens
 from engine.sampling import SamplingParams, generator_seed
 from engine.structured import GrammarCompiler, RequestMatcher, StructuredOutputError
@@ -40,6 +46,9 @@ logger = logging.getLogger(__name__)
 # primitives (`engine.models.cpu_linear.tune_row_buckets`), shared among the shapes: a
 # bigger model tunes its smaller buckets and builds the rest on first use
 WARM_BUDGET_S = 1.0
+
+# prompt rows per lm_head call for prompt logprobs: 256 x a 49k vocab is 50 MB of fp32 logits
+PROMPT_LOGPROBS_ROWS = 256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,6 +125,8 @@ class ModelRunner:
     refused). Each constrained request's matcher lives here from `add_request` until the
     scheduler reports it finished, so a preemption keeps it.
     """
+
+    computes_prompt_logprobs = True  # `RunnerOutput.prompt_logprobs` (EngineCore asks)
 
     def __init__(
         self,
@@ -246,43 +257,80 @@ class ModelRunner:
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
             )
-            if not inputs.sampling:
-                return RunnerOutput()
-            if inputs.logits_indices is not None:
-                hidden = hidden.index_select(0, inputs.logits_indices)
-            params = [s.request.sampling_params for s in inputs.sampling]
-            if any(p.processes_logits for p in params):
-                logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=True)
-                return self._sample_processed(inputs.sampling, params, logits.cpu())
-            greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
-            # a bf16 step's greedy rows: argmax over its bf16 logits, no fp32 copy of them
-            bf16_argmax = self.bf16_ops if greedy and inputs.meta.cpu_ops is None else None
-            logits = self.model.compute_logits(
-                hidden, inputs.meta.cpu_ops, fp32=bf16_argmax is None
+            prompt = self._prompt_logprobs(inputs, hidden) if inputs.prompt_rows else None
+            out = self._sample(inputs, hidden) if inputs.sampling else RunnerOutput()
+        if prompt:
+            out.prompt_logprobs = prompt
+        return out
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
+        """The step's sampled tokens from the model's last hidden states."""
+        if inputs.logits_indices is not None:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        params = [s.request.sampling_params for s in inputs.sampling]
+        if any(p.processes_logits for p in params):
+            logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=True)
+            return self._sample_processed(inputs.sampling, params, logits.cpu())
+        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        # a bf16 step's greedy rows: argmax over its bf16 logits, no fp32 copy of them
+        bf16_argmax = self.bf16_ops if greedy and inputs.meta.cpu_ops is None else None
+        logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=bf16_argmax is None)
+        if greedy:
+            # greedy without logprobs (the common case): argmax is all there is to do
+            if bf16_argmax is not None:
+                tokens = bf16_argmax.argmax_bf16(logits).tolist()
+            else:
+                tokens = greedy_tokens(logits.cpu()).tolist()
+            return RunnerOutput(
+                sampled=[
+                    SampledToken(s.request_id, t)
+                    for s, t in zip(inputs.sampling, tokens, strict=True)
+                ]
             )
-            if greedy:
-                # greedy without logprobs (the common case): argmax is all there is to do
-                if bf16_argmax is not None:
-                    tokens = bf16_argmax.argmax_bf16(logits).tolist()
-                else:
-                    tokens = greedy_tokens(logits.cpu()).tolist()
-                return RunnerOutput(
-                    sampled=[
-                        SampledToken(s.request_id, t)
-                        for s, t in zip(inputs.sampling, tokens, strict=True)
-                    ]
-                )
-            gens = [
-                self._generator(s.request_id, s.request.sampling_params.seed)
-                for s in inputs.sampling
-            ]
-            out = self.sampler.sample(logits.cpu(), params, gens)
+        gens = [
+            self._generator(s.request_id, s.request.sampling_params.seed) for s in inputs.sampling
+        ]
+        out = self.sampler.sample(logits.cpu(), params, gens)
         return RunnerOutput(
             sampled=[
                 SampledToken(s.request_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
                 for i, s in enumerate(inputs.sampling)
             ]
         )
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Raw log-softmax at each prompt row of the step (`StepInputs.prompt_rows`): the
+        logprob and rank of the prompt token that follows, and the top alternatives. The
+        rows go through the lm_head PROMPT_LOGPROBS_ROWS at a time, so a long prompt never
+        holds all its logits (vocab x positions x 4 bytes) at once."""
+        chunks: dict[str, PromptLogprobsChunk] = {}
+        for s, first, n in inputs.prompt_rows:
+            request = s.request
+            k = request.sampling_params.prompt_logprobs or 0
+            start = s.num_computed_tokens_before + 1  # the first prompt token scored
+            targets = torch.tensor(request.prompt_token_ids[start : start + n], dtype=torch.int64)
+            chunk = PromptLogprobsChunk(start, [], [], [])
+            for a in range(0, n, PROMPT_LOGPROBS_ROWS):
+                b = min(a + PROMPT_LOGPROBS_ROWS, n)
+                logits = self.model.compute_logits(
+                    hidden[first + a : first + b], inputs.meta.cpu_ops, fp32=True
+                )
+                lp = torch.log_softmax(logits.cpu(), dim=-1)
+                chosen = lp.gather(1, targets[a:b, None])
+                chunk.logprobs += chosen.squeeze(1).tolist()
+                chunk.ranks += ((lp > chosen).sum(dim=1) + 1).tolist()
+                if k:
+                    top_v, top_i = lp.topk(k, dim=-1)
+                    chunk.top_logprobs += [
+                        list(zip(i, v, strict=True))
+                        for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)
+                    ]
+                else:
+                    chunk.top_logprobs += [[] for _ in range(b - a)]
+            chunks[s.request_id] = chunk
+        return chunks
 
     def _sample_processed(
         self,

@@ -131,7 +131,7 @@ def test_engine_refuses_what_it_cannot_serve() -> None:
     config = EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=64)
     core = EngineCore(config, FakeRunner(32, 4), hash_seed=0)
     for params in (
-        SamplingParams(prompt_logprobs=1),  # not built yet
+        SamplingParams(prompt_logprobs=1),  # a runner without prompt logprobs
         SamplingParams(constraint=Constraint("json_object")),  # a runner without grammars
     ):
         with pytest.raises(RequestRejectedError):

@@ -30,6 +30,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def with_prompt_logprobs(params: SamplingParams) -> SamplingParams:
+    params.prompt_logprobs = 2
+    return params
+
+
 async def until_terminal(
     stream: AsyncIterator[list[EngineDelta]],
     want: set[str],
@@ -61,7 +66,7 @@ def test_the_engine_process_streams_what_the_thread_does_aborts_and_shuts_down(
         thread = TorchEngineBackend.from_model("tiny-llama", config=CONFIG, data_dir=tmp_path)
         thread.start()
         ref: dict[str, list[EngineDelta]] = {}
-        thread.submit(EngineRequest("ref", PROMPT, greedy(24)))
+        thread.submit(EngineRequest("ref", PROMPT, with_prompt_logprobs(greedy(24))))
         await until_terminal(thread.deltas(), {"ref"}, ref)
         thread.shutdown()
 
@@ -76,11 +81,17 @@ def test_the_engine_process_streams_what_the_thread_does_aborts_and_shuts_down(
             engine.submit(EngineRequest("long-prompt", list(range(1, 300)), greedy(4)))
         stream = engine.deltas()
         got: dict[str, list[EngineDelta]] = {}
-        engine.submit(EngineRequest("a", PROMPT, greedy(24)))
+        engine.submit(EngineRequest("a", PROMPT, with_prompt_logprobs(greedy(24))))
         engine.submit(EngineRequest("cut", PROMPT, greedy(200)))
         await until_terminal(stream, {"a", "cut"}, got, lambda d: engine.abort("cut"))
         assert tokens(got["a"]) == tokens(ref["ref"]) and got["a"][-1].finish_reason == "length"
         assert got["a"][-1].num_output_tokens == 24
+        # the prompt logprobs cross the process boundary on the first delta
+        want, have = ref["ref"][0].prompt_logprobs or [], got["a"][0].prompt_logprobs or []
+        assert have[0] is None and [e.token_id for e in have[1:] if e] == PROMPT[1:]
+        assert [e.logprob for e in have if e] == pytest.approx(
+            [e.logprob for e in want if e], abs=1e-4
+        )
         assert got["cut"][-1].finish_reason == "abort"
         assert len(tokens(got["cut"])) < 200
         assert engine.stats().num_generated_tokens >= 24

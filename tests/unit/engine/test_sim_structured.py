@@ -1,4 +1,5 @@
-"""The sim backend refuses structured outputs (its tokens are stand-ins no grammar holds)."""
+"""The sim backend refuses structured outputs (its tokens are stand-ins no grammar holds)
+and prompt logprobs (it has no logits)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,9 @@ def test_constrained_requests_are_refused() -> None:
     params = SamplingParams(constraint=Constraint("json_object"))
     with pytest.raises(RequestRejectedError, match="structured"):
         backend.submit(EngineRequest("r", [1, 2, 3], params))
+
+
+def test_prompt_logprobs_are_refused() -> None:
+    backend = SimEngineBackend("h200-llama3.1-8b-fp8", vocab_size=1000)
+    with pytest.raises(RequestRejectedError, match="prompt_logprobs"):
+        backend.submit(EngineRequest("r", [1, 2, 3], SamplingParams(prompt_logprobs=1)))

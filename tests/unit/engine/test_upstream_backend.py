@@ -524,6 +524,7 @@ def test_submit_refuses_what_the_peer_cannot_take_and_constrained_resumes() -> N
         for request in (
             EngineRequest("g", [1, 2], _constrained("grammar", 'start: "a"')),
             EngineRequest("r", [1, 2, 3], _constrained("json_object"), num_resumed_tokens=1),
+            EngineRequest("p", [1, 2], SamplingParams(prompt_logprobs=1)),
         ):
             with pytest.raises(RequestRejectedError) as refused:
                 backend.submit(request)
@@ -531,8 +532,9 @@ def test_submit_refuses_what_the_peer_cannot_take_and_constrained_resumes() -> N
         backend.shutdown()
         return errors
 
-    grammar_error, resume_error = asyncio.run(main())
+    grammar_error, resume_error, prompt_error = asyncio.run(main())
     assert "GBNF" in grammar_error and "cannot resume" in resume_error
+    assert "prompt_logprobs" in prompt_error
     assert fake.bodies["a"] == []
 
 
