@@ -11,7 +11,8 @@ interleaved with Sluice's.
 
 `python -m benchmarks.engine [--quick] [--model DIR|FILE.gguf] [--dtype bfloat16] [--vllm] [--json]`
 (a GGUF model is de-quantized into `--dtype` on Sluice's and HF's side; llama.cpp, when
-installed, runs the file as it is)
+installed, runs the file as it is: batch-1, and mixed through its batched decode scheduled
+as its server schedules; vLLM runs on a Hugging Face directory exported from the file)
 """
 
 from __future__ import annotations
@@ -170,10 +171,16 @@ def _paired(runs: dict[str, list[dict]], w: dict, a: str = "sluice", b: str = "v
 
 
 def _bench_mixed(
-    lm: LoadedModel, hf: Any, dtype: str, quick: bool, work: Workload, vllm: VllmPeer | None
+    lm: LoadedModel,
+    hf: Any,
+    dtype: str,
+    quick: bool,
+    work: Workload,
+    vllm: VllmPeer | None,
+    gguf: Path | None = None,
 ) -> dict:
-    """Sluice (and vLLM, reps interleaved when given) on a cold prefix cache each rep;
-    the HF peers once."""
+    """Sluice (and vLLM, and llama.cpp on `gguf`, reps interleaved when given) on a cold
+    prefix cache each rep; the HF peers once."""
     prompts, outputs = work.prompts, work.outputs
     run = SluiceRun(lm, dtype)
     run.run(prompts[:2], [4, 4], "warm")
@@ -189,7 +196,13 @@ def _bench_mixed(
     if vllm is not None:
         vllm.run("mixed")  # warm-up, as Sluice had above
         fns["vllm"] = functools.partial(vllm.run, "mixed")
-    reps = (3 if quick else 5) if vllm is not None else 1
+    if gguf is not None and peers.llama_cpp_available():
+        llama = peers.llama_cpp_mixed(
+            gguf, SLUICE_CONFIG["max_num_seqs"], SLUICE_CONFIG["max_num_batched_tokens"]
+        )
+        llama(prompts[:2], [4, 4])  # warm-up, as Sluice had above
+        fns["llama_cpp"] = functools.partial(llama, prompts, outputs)
+    reps = (3 if quick else 5) if vllm is not None else 3 if len(fns) > 1 else 1
     runs = _interleave(fns, reps)
     systems = {name: _median_of(r) for name, r in runs.items()}
     systems["hf_generate"] = peers.hf_static(hf, prompts, outputs, batch=32)
@@ -210,6 +223,8 @@ def _bench_mixed(
     }
     if "vllm" in runs:
         _paired(runs, w)
+    if "llama_cpp" in runs:
+        _paired(runs, w, "sluice", "llama_cpp")
     return w
 
 
@@ -365,7 +380,9 @@ def run(
                 reps=(1 if quick else 3) if not (peer or ggufs) else 5,
             ),
             "shared_prefix": _bench_shared_prefix(lm, hf, dtype, quick, vocab),
-            "mixed": _bench_mixed(lm, hf, dtype, quick, work["mixed"], peer),
+            "mixed": _bench_mixed(
+                lm, hf, dtype, quick, work["mixed"], peer, ggufs.get("llama_cpp")
+            ),
         }
     finally:
         if peer is not None:

@@ -149,3 +149,85 @@ def llama_cpp_batch1(gguf: Path) -> Callable[[list[int], int], dict]:
         return {"tokens_per_s": (n - 1) / max(total - ttft, 1e-9), "ttft_ms": ttft * 1e3}
 
     return run
+
+
+def llama_cpp_mixed(
+    gguf: Path, max_num_seqs: int, max_num_batched_tokens: int
+) -> Callable[[list[list[int]], list[int]], dict]:
+    """llama.cpp's batched decode on `gguf`, scheduled as its server schedules: up to
+    `max_num_seqs` sequences in one KV cache, each step one token per running sequence plus
+    the prompts of new ones while the step's token budget lasts, greedy, outputs to their
+    exact lengths. Returns a function that runs one workload: tokens/s and mean TTFT."""
+    import ctypes
+
+    import llama_cpp as lc
+    import numpy as np
+
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = max_num_seqs * 512
+    cparams.n_batch = max_num_batched_tokens
+    cparams.n_seq_max = max_num_seqs
+    cparams.n_threads = cparams.n_threads_batch = 2
+    cparams.kv_unified = False  # a KV stream per sequence: attention reads its own only
+    ctx = lc.llama_init_from_model(model, cparams)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    memory = lc.llama_get_memory(ctx)
+    batch = lc.llama_batch_init(max_num_batched_tokens, 0, 1)
+
+    def run(prompts: list[list[int]], outputs: list[int]) -> dict:
+        lc.llama_memory_clear(memory, True)
+        waiting = list(range(len(prompts)))
+        free_seqs = list(range(max_num_seqs))
+        running: dict[int, dict] = {}  # request -> seq, position, last token, tokens out
+        first: list[float] = []
+        generated = 0
+        t0 = time.perf_counter()
+        while waiting or running:
+            n = 0
+            rows: list[tuple[int, int]] = []  # (batch index of a logits row, its request)
+
+            def add(token: int, pos: int, seq: int, want: bool) -> None:
+                nonlocal n
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+                batch.seq_id[n][0], batch.logits[n] = seq, want
+                n += 1
+
+            for r, s in running.items():
+                rows.append((n, r))
+                add(s["last"], s["pos"], s["seq"], True)
+            while waiting and free_seqs and n + len(prompts[waiting[0]]) <= max_num_batched_tokens:
+                r = waiting.pop(0)
+                seq = free_seqs.pop()
+                for i, token in enumerate(prompts[r]):
+                    add(token, i, seq, i == len(prompts[r]) - 1)
+                running[r] = {"seq": seq, "pos": len(prompts[r]), "out": 0, "new": True}
+                rows.append((n - 1, r))
+            batch.n_tokens = n
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, r in rows:
+                ptr = ctypes.cast(lc.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float))
+                logits = np.ctypeslib.as_array(ptr, (vocab,))
+                s = running[r]
+                if s.pop("new", False):
+                    first.append(time.perf_counter() - t0)
+                else:
+                    s["pos"] += 1
+                s["last"] = int(logits.argmax())
+                s["out"] += 1
+                generated += 1
+                if s["out"] >= outputs[r]:
+                    lc.llama_memory_seq_rm(memory, s["seq"], -1, -1)
+                    free_seqs.append(s["seq"])
+                    del running[r]
+        elapsed = time.perf_counter() - t0
+        return {
+            "tokens_per_s": generated / elapsed,
+            "ttft_ms": 1e3 * sum(first) / len(first),
+            "elapsed_s": elapsed,
+        }
+
+    return run
