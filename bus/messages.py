@@ -132,6 +132,18 @@ class TokenLogprob(BaseModel):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """A prompt token's logprob given the tokens before it, its rank in the vocab (1 = most
+    likely) and the most likely alternatives there."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class Usage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -146,6 +158,10 @@ class TokenDelta(BaseModel):
     token_offset / text_offset are the absolute positions (in the whole completion, across
     attempts) of this delta's first token and first character: after a failover the
     gateway drops what it already delivered, and a higher attempt fences a lower one.
+
+    prompt_logprobs (`SamplingSpec.prompt_logprobs`): one per prompt token, None for the
+    first, on the first attempt's first delta; left out of the JSON when None, so readers
+    that predate it still decode every other delta.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -158,6 +174,9 @@ class TokenDelta(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": a message fit for the client
     usage: Usage | None = None  # on the last delta only

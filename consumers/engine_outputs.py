@@ -9,8 +9,8 @@ finished attempt, and the `StepProgress` entries the progress store records once
 publishes are confirmed.
 
 The engine's own records (`engine.backends.base.FinishReason`, `TokenLogprob`) become the
-bus's here and only here: `to_bus_finish_reason`, `to_bus_logprobs` (the engine does not
-import the bus).
+bus's here and only here: `to_bus_finish_reason`, `to_bus_logprobs`,
+`to_bus_prompt_logprobs` (the engine does not import the bus).
 
 Offsets are absolute across attempts: a resumed attempt starts at the tokens and text
 that earlier attempts published, so the gateway can drop what it already delivered.
@@ -23,6 +23,7 @@ from typing import assert_never
 
 from bus.messages import (
     FinishReason,
+    PromptLogprob,
     TelemetryRecord,
     Timings,
     TokenDelta,
@@ -45,6 +46,23 @@ def to_bus_finish_reason(reason: EngineFinishReason) -> FinishReason:
             return reason
         case _:
             assert_never(reason)
+
+
+def to_bus_prompt_logprobs(
+    logprobs: list[EngineTokenLogprob | None],
+) -> list[PromptLogprob | None]:
+    """The bus's prompt logprob records for the engine's (None stays None: the first)."""
+    return [
+        None
+        if lp is None
+        else PromptLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            rank=lp.rank if lp.rank is not None else 0,
+            top=[TopLogprob(token_id=t, logprob=p) for t, p in lp.top_logprobs],
+        )
+        for lp in logprobs
+    ]
 
 
 def to_bus_logprobs(logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
@@ -168,6 +186,9 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
     logprobs = None
     if any(p.delta.logprobs is not None for p in parts):
         logprobs = to_bus_logprobs([lp for p in parts for lp in p.delta.logprobs or ()])
+    prompt_logprobs = None  # on the engine's first token delta: an attempt's first part
+    if first.delta.prompt_logprobs is not None:
+        prompt_logprobs = to_bus_prompt_logprobs(first.delta.prompt_logprobs)
     if len(parts) == 1:
         token_ids, text = list(delta.token_ids), delta.text
     else:
@@ -184,6 +205,7 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
         token_ids=token_ids,
         text=text,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         finish_reason=None if finish is None else to_bus_finish_reason(finish),
         error=_client_error(delta),
         usage=usage,

@@ -9,7 +9,15 @@ from kafka.partitioner.default import murmur2 as kafka_murmur2
 
 from bus.codec import decode, encode
 from bus.errors import DecodeError
-from bus.messages import Cancel, GenerateRequest, SamplingSpec, TokenDelta, TokenDeltaBatch
+from bus.messages import (
+    Cancel,
+    GenerateRequest,
+    PromptLogprob,
+    SamplingSpec,
+    TokenDelta,
+    TokenDeltaBatch,
+    TopLogprob,
+)
 from bus.partitioner import murmur2, partition_for
 from bus.topics import CONTROL_TOPIC, TOKENS_TOPIC, Lane, request_topic
 
@@ -36,6 +44,17 @@ def test_messages_round_trip_compactly() -> None:
         reply_to="gw-1", deltas=[TokenDelta(request_id="r", seq_no=0, token_ids=[5], text="hi")]
     )
     assert decode(TOKENS_TOPIC, encode(batch)) == batch
+
+
+def test_prompt_logprobs_round_trip_and_are_left_out_when_none() -> None:
+    top = [TopLogprob(token_id=7, logprob=-0.5)]
+    prompt = [None, PromptLogprob(token_id=9, logprob=-1.25, rank=2, top=top)]
+    delta = TokenDelta(request_id="r", seq_no=0, token_ids=[5], prompt_logprobs=prompt)
+    batch = TokenDeltaBatch(reply_to="gw-1", deltas=[delta])
+    assert decode(TOKENS_TOPIC, encode(batch)) == batch
+    # a delta without them reads as before: readers that predate the field decode it
+    plain = encode(TokenDeltaBatch(reply_to="gw-1", deltas=[TokenDelta(request_id="r", seq_no=1)]))
+    assert b"prompt_logprobs" not in plain
 
 
 def test_topics_carry_a_version_suffix() -> None:

@@ -155,8 +155,12 @@ def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_endi
     def lp(*tokens: int) -> list[TokenLogprob]:
         return [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
 
+    prompt_lp = [None, TokenLogprob(9, -1.5, [(3, -0.25)], rank=4)]
     steps = [
-        [(a, EngineDelta("a", [1, 2], "ab", logprobs=lp(1, 2))), (b, EngineDelta("b", [5], "e"))],
+        [
+            (a, EngineDelta("a", [1, 2], "ab", logprobs=lp(1, 2), prompt_logprobs=prompt_lp)),
+            (b, EngineDelta("b", [5], "e")),
+        ],
         [
             (a, EngineDelta("a", [3, 4], "cd", logprobs=lp(3, 4))),
             (b, EngineDelta("b", [6], "f", finish_reason="stop", num_cached_tokens=0)),
@@ -173,6 +177,11 @@ def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_endi
     )
     assert [x.token_id for x in merged_a.logprobs or []] == [1, 2, 3, 4]
     assert [x.top[0].token_id for x in merged_a.logprobs or []] == [1, 2, 3, 4]
+    assert merged_a.prompt_logprobs is not None and merged_a.prompt_logprobs[0] is None
+    pl = merged_a.prompt_logprobs[1]
+    assert pl is not None and (pl.token_id, pl.logprob, pl.rank) == (9, -1.5, 4)
+    assert [(t.token_id, t.logprob) for t in pl.top] == [(3, -0.25)]
+    assert merged_b.prompt_logprobs is None
     assert (merged_b.request_id, merged_b.seq_no, merged_b.token_offset, merged_b.text_offset) == (
         "b",
         4,
