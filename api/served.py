@@ -8,7 +8,7 @@ the real one, passed in from `sluice/` because `api` never imports `engine`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,6 +54,9 @@ class ServedModel:
     # how the model writes tool calls and reasoning (SLUICE_TOOL_PARSER, SLUICE_REASONING_PARSER)
     tool_parser: str = "hermes"
     reasoning_parser: str = "none"
+    # (kind, value) of a StructuredSpec → raises ValueError when it cannot compile for this
+    # model's vocabulary (`engine.structured.GrammarCompiler.check`); None: not checked
+    check_constraint: Callable[[str, str], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "sluice"
 

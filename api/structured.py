@@ -2,23 +2,19 @@
 
 Chat's `response_format`, Responses' `text.format`, and vLLM's extras (`structured_outputs`,
 `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`) all become one
-`StructuredSpec`; at most one constraint per request. `check_compiles` asks llguidance
-whether the constraint compiles against the served model's vocabulary, so a bad schema,
-regex or grammar is a 400 naming its field rather than an engine failure mid-batch. It
-is the one place the gateway compiles: it can switch to `engine.structured`'s check.
+`StructuredSpec`; at most one constraint per request. `check_compiles` asks the engine's
+grammar compiler (handed in by the composition root on `ServedModel`) whether the
+constraint compiles against the served model's vocabulary, so a bad schema, regex or
+grammar is a 400 naming its field rather than an engine failure mid-batch.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-import weakref
 from typing import Any
 
-import llguidance
-
 from api.errors import InvalidRequest
-from api.served import ServedModel, Tokenizer
+from api.served import ServedModel
 from bus.messages import StructuredSpec
 
 # vLLM's `structured_outputs` keys → StructuredSpec kinds
@@ -125,58 +121,17 @@ def request_spec(body: Any) -> tuple[StructuredSpec | None, str | None]:
     return found[0] if found else (None, None)
 
 
-# -- compiling ---------------------------------------------------------------------------
-_JSON = {"whitespace_flexible": False}  # the engine's JSON options (engine.structured)
-
-
-def grammar_of(spec: StructuredSpec) -> str:
-    """llguidance's grammar for a spec (the engine compiles the same)."""
-    if spec.kind in ("json_object", "json_schema"):
-        schema = spec.value if spec.kind == "json_schema" else {"type": "object"}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON)  # type: ignore[arg-type]
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.value)
-    if spec.kind == "choice":
-        choices = json.loads(spec.value)
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        )
-    return llguidance.LLMatcher.grammar_from_lark(spec.value)
-
-
-_lock = threading.Lock()
-_ll_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def ll_tokenizer(tokenizer: Tokenizer) -> Any | None:
-    """llguidance's view of a served tokenizer, built once per tokenizer (~0.2 s); None for
-    one with no Hugging Face tokenizer underneath (the grammar is then checked alone)."""
-    hf = getattr(tokenizer, "_tok", None)
-    if hf is None or not hasattr(hf, "to_str"):
-        return None
-    with _lock:
-        found = _ll_tokenizers.get(tokenizer)
-        if found is None:
-            found = llguidance.LLTokenizer(
-                hf.to_str(),
-                n_vocab=tokenizer.vocab_size,
-                eos_token=list(tokenizer.eos_token_ids),
-            )
-            _ll_tokenizers[tokenizer] = found
-        return found
-
-
 def check_compiles(model: ServedModel, spec: StructuredSpec, param: str) -> None:
-    """400 naming `param` when the constraint cannot compile for this model. Takes
-    milliseconds (and the tokenizer's first build): call it off the event loop."""
+    """400 naming `param` when the constraint cannot compile for this model (the engine's
+    own check, `ServedModel.check_constraint`). Takes milliseconds, and the tokenizer's
+    view on first use: call it off the event loop."""
+    if model.check_constraint is None:
+        return
     try:
-        grammar = grammar_of(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer(model.tokenizer))
-    except (ValueError, TypeError, RuntimeError) as exc:
-        error = str(exc)
-    if error:
+        model.check_constraint(spec.kind, spec.value)
+    except ValueError as exc:
         raise InvalidRequest(
-            f"{param}: the {spec.kind.replace('_', ' ')} cannot be compiled: {error[:500]}",
+            f"{param}: the {spec.kind.replace('_', ' ')} cannot be compiled: {str(exc)[:500]}",
             param=param,
             code="invalid_value",
-        )
+        ) from None

@@ -150,18 +150,23 @@ def served_max_model_len(settings: Settings, path: Path) -> int:
 
 
 def served_model(settings: Settings, tokenizer: Any | None = None) -> ServedModel:
-    """The model as the gateway serves it; loads only the tokenizer when none is given."""
+    """The model as the gateway serves it; loads only the tokenizer when none is given.
+    Output constraints are checked with the engine's own grammar compiler."""
     from engine.model_files import load_tokenizer
+    from engine.sampling import Constraint
+    from engine.structured import GrammarCompiler
 
     path = model_dir(settings)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)
+    grammars = GrammarCompiler(tokenizer)
     return ServedModel(
         name=settings.model_name,
         max_model_len=served_max_model_len(settings, path),
         tokenizer=tokenizer,
         tool_parser=settings.tool_parser,
         reasoning_parser=settings.reasoning_parser,
+        check_constraint=lambda kind, value: grammars.check(Constraint(kind, value)),
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from llguidance import LLMatcher
 
 from api.served import ServedModel
 from bus.base import EventBus
@@ -25,6 +26,7 @@ from bus.messages import (
     Cancel,
     FinishReason,
     GenerateRequest,
+    PromptLogprob,
     TokenDelta,
     TokenDeltaBatch,
     TokenLogprob,
@@ -32,6 +34,8 @@ from bus.messages import (
     Usage,
 )
 from bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
+from engine.sampling import Constraint
+from engine.structured import grammar_for
 
 
 class ByteTokenizer:
@@ -59,8 +63,21 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
+def check_grammar_alone(kind: str, value: str) -> None:
+    """The engine's grammar for a constraint, validated without a vocabulary (the byte
+    tokenizer has no Hugging Face tokenizer for llguidance to read)."""
+    error = LLMatcher.validate_grammar(grammar_for(Constraint(kind, value)))
+    if error:
+        raise ValueError(error)
+
+
 def served_model(name: str = "tiny", max_model_len: int = 256) -> ServedModel:
-    return ServedModel(name=name, max_model_len=max_model_len, tokenizer=ByteTokenizer())
+    return ServedModel(
+        name=name,
+        max_model_len=max_model_len,
+        tokenizer=ByteTokenizer(),
+        check_constraint=check_grammar_alone,
+    )
 
 
 @dataclass
@@ -71,9 +88,21 @@ class _Active:
     seq_no: int = 0
 
 
+def _prompt_logprobs(req: GenerateRequest) -> list[PromptLogprob | None]:
+    """Every prompt token after the first at -1.0, rank 1, itself its top alternative."""
+    k = req.sampling.prompt_logprobs or 0
+    return [None] + [
+        PromptLogprob(
+            token_id=t, logprob=-1.0, rank=1, top=[TopLogprob(token_id=t, logprob=-1.0)][:k]
+        )
+        for t in req.prompt_token_ids[1:]
+    ]
+
+
 @dataclass
 class FakeEngineWorker:
-    """Modes: "echo" answers `reply` (cut at max_tokens → "length"); "hang" answers
+    """Modes: "echo" answers `reply` (cut at max_tokens → "length"; prompt logprobs on
+    the first delta when asked, `_prompt_logprobs`); "hang" answers
     nothing until cancelled; "error" fails after 2 tokens; "deadline" ends with
     finish_reason deadline after 2 tokens."""
 
@@ -187,6 +216,8 @@ class FakeEngineWorker:
                 text=char,
                 logprobs=logprobs,
             )
+            if a.pos == 0 and req.sampling.prompt_logprobs is not None:
+                delta["prompt_logprobs"] = _prompt_logprobs(req)
             a.pos += 1
             a.seq_no += 1
             if a.pos >= limit:

@@ -12,10 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.structured import grammar_of, ll_tokenizer
 from api.tools import call_grammar, chat_tools, render_messages, write_calls
 from bus.memory import MemoryEventBus
 from engine.model_files import load_tokenizer, smollm2_gguf
+from engine.sampling import Constraint
+from engine.structured import GrammarCompiler, grammar_for
 from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 
@@ -106,11 +107,38 @@ def test_echo_puts_the_prompt_first(client: TestClient, engine: FakeEngineWorker
                 for c in json.loads(line[6:])["choices"]:
                     texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert texts == {0: "abHello", 1: "cdHello"}
-    _error(
-        client.post("/v1/completions", json={**body, "logprobs": 1}),
-        "echo",
-        "unsupported_parameter",
-    )
+
+
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first(
+    client: TestClient, engine: FakeEngineWorker
+) -> None:
+    body = {"model": "tiny", "prompt": ["ab", "cd"], "echo": True, "max_tokens": 2, "logprobs": 1}
+    r = client.post("/v1/completions", json=body)
+    assert [q.sampling.prompt_logprobs for q in engine.wait_for_requests(2)] == [1, 1]
+    first = r.json()["choices"][0]
+    assert first["text"] == "abHe"
+    assert first["logprobs"] == {
+        "tokens": ["a", "b", "H", "e"],
+        "token_logprobs": [None, -1.0, -0.5, -0.5],
+        "top_logprobs": [None, {"b": -1.0}, {"H": -0.5}, {"e": -0.5}],
+        "text_offset": [0, 1, 2, 3],
+    }
+    assert r.json()["choices"][1]["logprobs"]["tokens"][:2] == ["c", "d"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    firsts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert firsts[0]["text"] == "ab" and firsts[1]["text"] == "cd"
+    assert firsts[0]["logprobs"]["tokens"] == ["a", "b"]
+    assert firsts[0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    # vLLM's own field: per choice, None first, {token id: logprob, rank, text}
+    r = client.post("/v1/completions", json={**body, "echo": False, "prompt_logprobs": 1})
+    assert r.json()["choices"][0]["prompt_logprobs"] == [
+        None,
+        {str(ord("b")): {"logprob": -1.0, "rank": 1, "decoded_token": "b"}},
+    ]
 
 
 # -- constraints -----------------------------------------------------------------------------
@@ -324,9 +352,10 @@ def test_a_template_with_tools_gets_them_as_transformers_passes_them() -> None:
 def test_the_forced_call_grammar_accepts_calls_and_nothing_else(
     smollm2: Any, family: str, parallel: bool
 ) -> None:
-    ll = ll_tokenizer(smollm2)
+    ll = GrammarCompiler(smollm2).ll_tokenizer
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        grammar = grammar_of(call_grammar(chat_tools(TOOLS, choice, parallel), family))
+        spec = call_grammar(chat_tools(TOOLS, choice, parallel), family)
+        grammar = grammar_for(Constraint(spec.kind, spec.value))
         assert llguidance.LLMatcher.validate_grammar(grammar, ll) == ""
         calls = [("get_weather", '{"city":"Paris"}')] * (2 if parallel else 1)
         good = llguidance.LLMatcher(ll, grammar)
