@@ -7,12 +7,13 @@ Shapes follow the SDK's `chat_completion_chunk.py`, `chat_completion.py` and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from api.generation import ChoiceResult, Generation
 from api.output import OutputPlan, Piece, read_whole, reasoning_tokens
 from api.served import Tokenizer
-from bus.messages import TokenLogprob
+from bus.messages import PromptLogprob, TokenLogprob
 
 # finish reasons the OpenAI schema knows; the others end in an error before this point
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
@@ -53,11 +54,41 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[st
     return {"content": content, "refusal": None}
 
 
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """A choice's prompt for `echo` with logprobs: its token ids, their prompt logprobs
+    (None first) and how many alternatives each shows (the request's `logprobs`)."""
+
+    token_ids: list[int]
+    logprobs: list[PromptLogprob | None]
+    top: int
+
+
 def completion_logprobs(
-    tokenizer: Tokenizer, logprobs: list[TokenLogprob], text_offset: int
+    tokenizer: Tokenizer,
+    logprobs: list[TokenLogprob],
+    text_offset: int,
+    prompt: EchoedPrompt | None = None,
 ) -> dict[str, Any]:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    """The legacy logprobs object; with `prompt` (echo) its tokens come first, the first
+    with null logprob and top_logprobs, as OpenAI and vLLM answer."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
+    if prompt is not None:
+        for token_id, plp in zip(prompt.token_ids, prompt.logprobs, strict=True):
+            token, _ = _token(tokenizer, token_id)
+            tokens.append(token)
+            token_logprobs.append(None if plp is None else plp.logprob)
+            tops.append(
+                None
+                if plp is None
+                else {_token(tokenizer, a.token_id)[0]: a.logprob for a in plp.top[: prompt.top]}
+            )
+            offsets.append(offset)
+            offset += len(token)
     for lp in logprobs:
         token, _ = _token(tokenizer, lp.token_id)
         tokens.append(token)
@@ -71,6 +102,28 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer, prompt: list[PromptLogprob | None], top: int
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None first) a dict from token id to its
+    logprob, rank and text: the prompt token itself, then the `top` most likely."""
+    out: list[dict[int, dict[str, Any]] | None] = []
+    for plp in prompt:
+        if plp is None:
+            out.append(None)
+            continue
+        entry = {plp.token_id: _vllm_logprob(tokenizer, plp.token_id, plp.logprob, plp.rank)}
+        for rank, alt in enumerate(plp.top[:top], start=1):
+            if alt.token_id not in entry:
+                entry[alt.token_id] = _vllm_logprob(tokenizer, alt.token_id, alt.logprob, rank)
+        out.append(entry)
+    return out
+
+
+def _vllm_logprob(tokenizer: Tokenizer, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": _token(tokenizer, token_id)[0]}
 
 
 class _CallFormat:
@@ -149,7 +202,10 @@ class ChatFormat(_CallFormat):
         usage_obj: dict[str, Any],
         want_logprobs: bool,
         plan: OutputPlan | None = None,
+        prompt_logprobs: int | None = None,
     ) -> dict[str, Any]:
+        """`prompt_logprobs`: vLLM's field of that name (the one prompt's, at the top
+        level as vLLM puts it), with that many alternatives."""
         plan = plan or OutputPlan()
         choices, readers = [], []
         for r in results:
@@ -176,7 +232,13 @@ class ChatFormat(_CallFormat):
             )
         if plan.reasoning:
             usage_obj = with_reasoning_tokens(usage_obj, reasoning_tokens(self.tokenizer, readers))
-        return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}
+        answer = {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}
+        if prompt_logprobs is not None:
+            prompt = next((r.prompt_logprobs for r in results if r.prompt_logprobs), None)
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tokenizer, prompt or [], prompt_logprobs
+            )
+        return answer
 
 
 def with_reasoning_tokens(usage_obj: dict[str, Any], count: int) -> dict[str, Any]:
@@ -198,10 +260,12 @@ class CompletionFormat(_CallFormat):
         text_offset: int,
         want_logprobs: bool,
         token_ids: list[int] | None = None,
+        prompt: EchoedPrompt | None = None,
     ) -> dict[str, Any]:
-        """One choice's chunk; `token_ids` (vLLM's `return_token_ids`) only when given."""
+        """One choice's chunk; `token_ids` (vLLM's `return_token_ids`) only when given;
+        `prompt`: the echoed prompt's logprobs, before the chunk's own."""
         lp = (
-            completion_logprobs(self.tokenizer, logprobs or [], text_offset)
+            completion_logprobs(self.tokenizer, logprobs or [], text_offset, prompt)
             if want_logprobs
             else None
         )
@@ -222,19 +286,31 @@ class CompletionFormat(_CallFormat):
         want_logprobs: bool,
         want_token_ids: bool = False,
         echo: list[str] | None = None,
+        prompts: list[list[int]] | None = None,
+        top: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> dict[str, Any]:
-        """`echo`: each choice's prompt text, put before its output."""
+        """`echo`: each choice's prompt text, put before its output; with `prompts` (each
+        choice's prompt token ids) its logprobs too, `top` alternatives each.
+        `prompt_logprobs`: vLLM's field of that name on each choice, with that many."""
         choices = []
         for r in results:
+            echoed = None
+            if echo and prompts and r.prompt_logprobs is not None:
+                echoed = EchoedPrompt(prompts[r.index], r.prompt_logprobs, top)
             choice: dict[str, Any] = {
                 "index": r.index,
                 "text": (echo[r.index] if echo else "") + r.text,
-                "logprobs": completion_logprobs(self.tokenizer, r.logprobs, 0)
+                "logprobs": completion_logprobs(self.tokenizer, r.logprobs, 0, echoed)
                 if want_logprobs
                 else None,
                 "finish_reason": finish_reason(r.finish_reason),
             }
             if want_token_ids:
                 choice["token_ids"] = r.token_ids
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    self.tokenizer, r.prompt_logprobs or [], prompt_logprobs
+                )
             choices.append(choice)
         return {**self._head(self.whole_object), "choices": choices, "usage": usage_obj}

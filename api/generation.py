@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus.messages import FinishReason, TokenDelta, TokenLogprob
+from bus.messages import FinishReason, PromptLogprob, TokenDelta, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Track:
     # worker had to retry lands after the next one): taken once the gap is filled
     held: list[TokenDelta] = field(default_factory=list)
     held_since: float = 0.0  # time.monotonic() when the open gap opened
+    prompt_logprobs_taken: bool = False  # a redelivered first delta brings them again
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class StreamEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # on the choice's first event
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def _client_error(request_id: str, delta: TokenDelta) -> str | None:
@@ -205,7 +208,11 @@ class Generation:
             error = _client_error(track.request_id, delta)
             if delta.usage is not None:
                 track.cached_tokens = delta.usage.cached_tokens
-        if token_ids or text or delta.finish_reason is not None:
+        prompt_logprobs = None
+        if delta.prompt_logprobs is not None and not track.prompt_logprobs_taken:
+            track.prompt_logprobs_taken = True
+            prompt_logprobs = delta.prompt_logprobs
+        if token_ids or text or delta.finish_reason is not None or prompt_logprobs:
             self._queue.put_nowait(
                 StreamEvent(
                     index=track.index,
@@ -214,6 +221,7 @@ class Generation:
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason,
                     error=error,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
 
@@ -282,6 +290,8 @@ def _add(result: ChoiceResult, event: StreamEvent) -> None:
     result.token_ids.extend(event.token_ids)
     if event.logprobs:
         result.logprobs.extend(event.logprobs)
+    if event.prompt_logprobs is not None:
+        result.prompt_logprobs = event.prompt_logprobs
     if event.finish_reason is not None:
         result.finish_reason, result.error = event.finish_reason, event.error
 

@@ -214,7 +214,8 @@ def check_common(body: Any, limits: RequestLimits) -> None:
         raise refuse("min_p", "min_p is not supported by this server; use 0")
     if body.prompt_logprobs is not None:
         check_logprobs(body.prompt_logprobs, limits, "prompt_logprobs")
-        raise refuse("prompt_logprobs", "prompt logprobs are not returned by this server")
+        if body.stream:  # as vLLM: they belong to the whole answer
+            raise refuse("prompt_logprobs", "prompt_logprobs are not available with stream")
 
 
 LOGIT_BIAS_LIMIT = 100.0

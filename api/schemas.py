@@ -105,7 +105,7 @@ class _Sampling(RequestBody):
     store: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's; not served
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's
     # vLLM's output constraints (`api.structured`): one of them, or response_format
     structured_outputs: dict[str, Any] | None = None

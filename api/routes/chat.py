@@ -46,6 +46,7 @@ def _sampling(
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
         structured=spec,
         **prepare.penalties(body, model),
     )
@@ -167,7 +168,9 @@ async def create_chat_completion(
     if results is None:
         return Response(status_code=499)
     usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(fmt.completion(results, usage_obj, body.logprobs, plan))
+    return JSONResponse(
+        fmt.completion(results, usage_obj, body.logprobs, plan, body.prompt_logprobs)
+    )
 
 
 async def _stream(

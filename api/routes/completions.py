@@ -13,7 +13,7 @@ from api import prepare, structured
 from api.auth import Principal
 from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from api.errors import error_for_finish
-from api.formatting import CompletionFormat, generation_usage
+from api.formatting import CompletionFormat, EchoedPrompt, generation_usage
 from api.generation import Generation
 from api.prepare import Call
 from api.schemas import CompletionRequest
@@ -29,9 +29,6 @@ def build(
 ) -> tuple[Call, ServedModel]:
     model = gw.models.get(body.model)
     prepare.check_common(body, gw.limits)
-    if body.echo and body.logprobs is not None:
-        # echo's logprobs are the prompt's, which the engine's replies do not carry
-        raise prepare.refuse("echo", "echo with logprobs is not supported by this server")
     if body.suffix:
         raise prepare.refuse("suffix", "suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
@@ -55,6 +52,7 @@ def build(
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs(body),
         structured=spec,
         **prepare.penalties(body, model),
     )
@@ -69,6 +67,24 @@ def build(
         call_id=cid,
     )
     return call, model
+
+
+def prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many alternatives the engine reports at each prompt token: echo with logprobs
+    shows the prompt's logprobs, vLLM's `prompt_logprobs` asks for them (the larger wins,
+    each answer shows its own count)."""
+    counts = [body.prompt_logprobs]
+    if body.echo:
+        counts.append(body.logprobs)
+    given = [c for c in counts if c is not None]
+    return max(given) if given else None
+
+
+def echo_prompts(body: CompletionRequest, call: Call) -> list[list[int]] | None:
+    """Each choice's prompt token ids when its echo shows their logprobs."""
+    if not body.echo or body.logprobs is None:
+        return None
+    return [r.prompt_token_ids for r in call.requests]
 
 
 def echo_texts(body: CompletionRequest, model: ServedModel) -> list[str] | None:
@@ -113,6 +129,7 @@ async def create_completion(
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
     want_logprobs = body.logprobs is not None
+    prompts = echo_prompts(body, call)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(
@@ -120,9 +137,10 @@ async def create_completion(
                 generation,
                 fmt,
                 call,
-                _Wants(want_logprobs, body.return_token_ids, include_usage),
+                _Wants(want_logprobs, body.return_token_ids, include_usage, body.logprobs or 0),
                 gw.sse_ping_s,
                 echo,
+                prompts,
             )
         )
     results = await collect_answer(request, generation)
@@ -130,7 +148,16 @@ async def create_completion(
         return Response(status_code=499)
     usage_obj = generation_usage(call.num_prompt_tokens, generation)
     return JSONResponse(
-        fmt.completion(results, usage_obj, want_logprobs, body.return_token_ids, echo)
+        fmt.completion(
+            results,
+            usage_obj,
+            want_logprobs,
+            body.return_token_ids,
+            echo,
+            prompts,
+            body.logprobs or 0,
+            body.prompt_logprobs,
+        )
     )
 
 
@@ -141,6 +168,7 @@ class _Wants:
     logprobs: bool
     token_ids: bool
     usage: bool
+    top: int = 0  # the request's `logprobs`: alternatives per token
 
 
 async def _stream(
@@ -150,16 +178,30 @@ async def _stream(
     wants: _Wants,
     ping_s: float,
     echo: list[str] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> AsyncIterator[str]:
+    """`echo`: the prompt comes first; with `prompts` (echo with logprobs) a choice's
+    prompt chunk waits for its first event, which brings the prompt's logprobs."""
     text_offsets = [0] * len(generation.tracks)
+    unechoed = set(range(len(echo))) if echo and prompts else set()
     try:
-        for index, text in enumerate(echo or []):  # the prompt comes first
-            yield sse_data(fmt.chunk(index, text, None, None, 0, False))
-            text_offsets[index] = len(text)
+        for index, text in enumerate(echo or []):
+            if index not in unechoed:
+                yield sse_data(fmt.chunk(index, text, None, None, 0, False))
+                text_offsets[index] = len(text)
         async for ev in pump(generation, ping_s):
             if ev is None:
                 yield PING
                 continue
+            if ev.index in unechoed:
+                assert echo is not None and prompts is not None
+                unechoed.discard(ev.index)
+                prompt = None
+                if ev.prompt_logprobs is not None:
+                    prompt = EchoedPrompt(prompts[ev.index], ev.prompt_logprobs, wants.top)
+                text = echo[ev.index]
+                yield sse_data(fmt.chunk(ev.index, text, None, None, 0, True, None, prompt))
+                text_offsets[ev.index] = len(text)
             if ev.finish_reason is not None:
                 error = error_for_finish(ev.finish_reason, ev.error)
                 if error is not None:

@@ -34,7 +34,7 @@ from api.deps import Gateway
 from api.errors import APIError, InvalidRequest, RequestCancelled, error_for_finish
 from api.formatting import ChatFormat, CompletionFormat, usage
 from api.generation import ChoiceResult
-from api.prepare import Call, lane_for
+from api.prepare import Call, encode_prompts, lane_for
 from api.responses_format import ResponsesFormat
 from api.routes import chat, completions, responses
 from api.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
@@ -319,10 +319,25 @@ def answer_body(
     if isinstance(parsed, ChatCompletionRequest):
         chat_fmt = ChatFormat(call_id, model.name, created, tier, model.tokenizer)
         plan = chat.output_plan(parsed, model)  # tool calls and reasoning read as the route does
-        return chat_fmt.completion(results, usage_obj, bool(parsed.logprobs), plan)
+        return chat_fmt.completion(
+            results, usage_obj, bool(parsed.logprobs), plan, parsed.prompt_logprobs
+        )
     cmpl_fmt = CompletionFormat(call_id, model.name, created, tier, model.tokenizer)
     echo = completions.echo_texts(parsed, model)
-    return cmpl_fmt.completion(results, usage_obj, parsed.logprobs is not None, False, echo)
+    prompts = None
+    if echo and parsed.logprobs is not None:  # the prompts' ids, as the line was built
+        encoded = encode_prompts(model, parsed.prompt)
+        prompts = [ids for ids in encoded for _ in range(parsed.n)]
+    return cmpl_fmt.completion(
+        results,
+        usage_obj,
+        parsed.logprobs is not None,
+        False,
+        echo,
+        prompts,
+        parsed.logprobs or 0,
+        parsed.prompt_logprobs,
+    )
 
 
 def run_error(results: list[ChoiceResult]) -> APIError | None:

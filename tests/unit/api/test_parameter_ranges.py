@@ -1,7 +1,8 @@
 """Parameters once accepted silently, each now a 400 naming it, before anything is published.
 
-`min_p` outside [0, 1], `prompt_logprobs` of any size, booleans as token ids, a string as
-`stream_options.include_usage`, and an empty Responses `input`.
+`min_p` outside [0, 1], `prompt_logprobs` above the logprobs limit or with `stream`,
+booleans as token ids, a string as `stream_options.include_usage`, and an empty Responses
+`input`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def test_min_p_is_served_only_as_zero(client: TestClient, engine: FakeEngineWork
 
 
 @pytest.mark.parametrize("path,body", BODIES)
-def test_prompt_logprobs_are_bounded_and_refused(
+def test_prompt_logprobs_are_bounded_and_not_streamed(
     client: TestClient, engine: FakeEngineWorker, path: str, body: dict[str, Any]
 ) -> None:
     r = client.post(path, json={**body, "prompt_logprobs": 1e9})
@@ -44,9 +45,11 @@ def test_prompt_logprobs_are_bounded_and_refused(
     assert "at most 20" in r.json()["error"]["message"]
     r = client.post(path, json={**body, "prompt_logprobs": -1})
     assert_error(r, 400, "invalid_request_error", "invalid_value", "prompt_logprobs")
-    r = client.post(path, json={**body, "prompt_logprobs": 1})
+    r = client.post(path, json={**body, "prompt_logprobs": 1, "stream": True})
     assert_error(r, 400, "invalid_request_error", "unsupported_parameter", "prompt_logprobs")
     assert engine.requests == []
+    assert client.post(path, json={**body, "prompt_logprobs": 1}).status_code == 200
+    assert [r.sampling.prompt_logprobs for r in engine.wait_for_requests(1)] == [1]
 
 
 @pytest.mark.parametrize("prompt", [[True, False], [[1, True]], [1, 2.0], 5])
