@@ -244,10 +244,14 @@ def tools_system_block(tools: list[dict[str, Any]], family: str) -> str:
 
 
 # -- forced calls --------------------------------------------------------------------------
+MAX_FORCED_CALLS = 4  # calls one turn may hold under tool_choice "required"
+
+
 def call_schema(plan: ToolPlan, family: str) -> dict[str, Any]:
     """The JSON schema of one call allowed by `plan` (one function, or any of them)."""
     key = "parameters" if family == "llama3_json" else "arguments"
     shapes = []
+    defs: dict[str, Any] = {}
     for tool in plan.tools:
         fn = tool["function"]
         if plan.choice == "function" and fn["name"] != plan.function:
@@ -255,23 +259,60 @@ def call_schema(plan: ToolPlan, family: str) -> dict[str, Any]:
         shapes.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, key: fn["parameters"]},
+                "properties": {"name": {"const": fn["name"]}, key: _lift_defs(fn, defs)},
                 "required": ["name", key],
                 "additionalProperties": False,
             }
         )
     schema = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+    if defs:
+        schema = {**schema, "$defs": defs}
     # compact JSON, as the engine's own JSON constraints: free whitespace lets a weak
     # model spin in blanks until max_tokens
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
+def _lift_defs(fn: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """`fn`'s parameters with their `$defs` (or `definitions`) moved into `defs` under
+    names prefixed by the function's, and their `#/$defs/...` references rewritten: the
+    parameters sit inside the call's schema, where a reference from the root would not
+    resolve (pydantic writes nested models as such references)."""
+    params = fn["parameters"]
+    if not isinstance(params, dict):
+        return params
+    own = {**params.get("definitions", {}), **params.get("$defs", {})}
+    if not own:
+        return params
+    prefix = f"{fn['name']}__"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            for base in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(base):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(base) :]
+        return out
+
+    for name, sub in own.items():
+        defs[prefix + name] = rewrite(sub)
+    return rewrite(params)
+
+
 def call_grammar(plan: ToolPlan, family: str) -> StructuredSpec:
-    """A Lark grammar (llguidance dialect) admitting one call, or one or more when
-    `parallel_tool_calls` allows, in `family`'s format, and nothing else."""
+    """A Lark grammar (llguidance dialect) admitting one call, or up to `MAX_FORCED_CALLS`
+    for `required` when `parallel_tool_calls` allows, in `family`'s format, and nothing
+    else."""
     schema = json.dumps(call_schema(plan, family), separators=(",", ":"))
     separator = {"hermes": '"\\n"', "llama3_json": '"; "', "mistral": '", "'}[family]
-    body = f"call ({separator} call)*" if plan.parallel else "call"
+    # a named function is called once (as vLLM forces it); `required` with parallel calls
+    # allows a few, since a weak model forced to call repeats its call until max_tokens
+    more = MAX_FORCED_CALLS - 1 if plan.parallel and plan.choice != "function" else 0
+    body = "call" + f" ({separator} call)?" * more
     if family == "hermes":
         call = f'call: "<tool_call>\\n" %json{schema} "\\n</tool_call>"'
     else:

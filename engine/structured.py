@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def grammar_for(constraint: Constraint) -> str:
             raise StructuredOutputError("json_schema must be a JSON object")
         try:
             return LLMatcher.grammar_from_json_schema(
-                value if isinstance(schema, dict) else {},
+                tightened(schema) if isinstance(schema, dict) else {},
                 defaults=_JSON_OPTIONS,  # type: ignore[arg-type]
             )
         except ValueError as exc:
@@ -80,8 +80,67 @@ def grammar_for(constraint: Constraint) -> str:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
     if kind == "grammar":
-        return LLMatcher.grammar_from_lark(value)
+        return LLMatcher.grammar_from_lark(_bounded_lark(value))
     raise StructuredOutputError(f"unknown structured output kind {kind!r}; one of {KINDS}")
+
+
+# RFC 8259 §6: integers beyond ±(2**53 - 1) are not interoperable (IEEE doubles)
+_SAFE_INTEGER = 2**53 - 1
+# keywords whose values are JSON data, not schemas: never rewritten
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def tightened(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` as the engine constrains it: every output still validates against the
+    schema as written, but a weak model cannot run to max_tokens inside it.
+
+    - an integer or number with no bound of its own is held to the interoperable range
+      ±(2**53 - 1) (greedy loops write "1222222..." otherwise);
+    - an object that lists `properties` and says nothing of others takes no others (what
+      OpenAI's strict mode and xgrammar's, vLLM's default, do): a model free to add keys
+      adds them until max_tokens. Not inside `allOf`, whose members each see only part
+      of the object's properties.
+    """
+    if isinstance(schema, list):
+        return [tightened(item, in_all_of) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: value if key in _DATA_KEYWORDS else tightened(value, key == "allOf")
+        for key, value in schema.items()
+    }
+    types = out.get("type")
+    named = {types} if isinstance(types, str) else set(types or ())
+    if named & {"integer", "number"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -_SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _SAFE_INTEGER
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+    lists = isinstance(out.get("properties"), dict)
+    if lists and not in_all_of and not any(key in out for key in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
+def _bounded_lark(lark: str) -> str:
+    """A Lark grammar with its embedded `%json{...}` schemas `tightened` as a json_schema
+    is (a tool call's arguments, say)."""
+    decoder = json.JSONDecoder()
+    out, pos = [], 0
+    while (at := lark.find("%json", pos)) != -1:
+        start = at + len("%json")
+        while start < len(lark) and lark[start].isspace():
+            start += 1
+        try:
+            schema, end = decoder.raw_decode(lark, start)
+        except ValueError:  # not a schema here: llguidance reports it
+            out.append(lark[pos:start])
+            pos = start
+            continue
+        out.append(lark[pos:at] + "%json" + json.dumps(tightened(schema)))
+        pos = end
+    return "".join(out) + lark[pos:]
 
 
 def _one_line(message: str) -> str:

@@ -24,7 +24,6 @@ import instructor
 import jsonschema
 import openai
 import pytest
-from instructor.core.exceptions import InstructorRetryException
 from pydantic import BaseModel, Field
 
 from benchmarks.schemas import by_name
@@ -201,14 +200,6 @@ def test_streamed_required_call_equals_the_plain_one(client: openai.OpenAI) -> N
     assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a named tool_choice with parallel_tool_calls left at its default compiles the "
-    "grammar `call (\\n call)*` (api/tools.py call_grammar), so the model repeats the call "
-    "until max_tokens: finish_reason 'length', several calls, and the cut marker '\\n<' "
-    "as content; vLLM forces exactly one call for a named choice",
-)
 def test_a_named_tool_choice_gives_one_call(client: openai.OpenAI) -> None:
     # what LangChain's bind_tools(tool_choice=name) and instructor's TOOLS mode send
     choice = client.chat.completions.create(
@@ -226,25 +217,12 @@ def test_a_named_tool_choice_gives_one_call(client: openai.OpenAI) -> None:
 # --- instructor ---------------------------------------------------------------------------
 
 
-DEFS_IN_TOOL_PARAMS = (
-    "a forced tool whose parameters hold $defs/$ref (any nested pydantic model) is refused "
-    "400: api/tools.py call_schema nests the parameters under properties.arguments, so "
-    "'#/$defs/...' no longer resolves ('Pointer /$defs/Priority does not exist')"
-)
-
-
 @pytest.mark.parametrize(
     ("mode", "model"),
     [
         (instructor.Mode.JSON_SCHEMA, Person),
         (instructor.Mode.TOOLS, City),
-        pytest.param(
-            instructor.Mode.TOOLS,
-            Person,
-            marks=pytest.mark.xfail(
-                strict=True, reason=DEFS_IN_TOOL_PARAMS, raises=InstructorRetryException
-            ),
-        ),
+        (instructor.Mode.TOOLS, Person),
     ],
     ids=["json_schema-nested", "tools-flat", "tools-nested"],
 )
@@ -261,7 +239,7 @@ def test_instructor_returns_a_validated_model(
             messages=[{"role": "user", "content": prompt}],
             max_retries=0,
             temperature=0,
-            max_tokens=200,
+            max_tokens=400,
         )
     assert isinstance(answer, model), answer
     if model is Person:
@@ -269,7 +247,6 @@ def test_instructor_returns_a_validated_model(
     jsonschema.validate(answer.model_dump(mode="json"), model.model_json_schema())
 
 
-@pytest.mark.xfail(strict=True, reason=DEFS_IN_TOOL_PARAMS, raises=openai.BadRequestError)
 def test_a_forced_tool_with_defs_in_its_parameters(client: openai.OpenAI) -> None:
     params = Person.model_json_schema()
     assert "$defs" in params

@@ -357,7 +357,10 @@ def test_the_forced_call_grammar_accepts_calls_and_nothing_else(
         spec = call_grammar(chat_tools(TOOLS, choice, parallel), family)
         grammar = grammar_for(Constraint(spec.kind, spec.value))
         assert llguidance.LLMatcher.validate_grammar(grammar, ll) == ""
-        calls = [("get_weather", '{"city":"Paris"}')] * (2 if parallel else 1)
+        # a named function is called once; `required` may hold several parallel calls
+        calls = [("get_weather", '{"city":"Paris"}')] * (
+            2 if parallel and choice == "required" else 1
+        )
         good = llguidance.LLMatcher(ll, grammar)
         # compact JSON only (no blanks to spin in)
         assert good.consume_tokens(smollm2.encode(write_calls(family, calls, True), False))
@@ -403,3 +406,23 @@ def test_think_blocks_become_reasoning(
         assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
         assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
         assert out["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+
+
+def test_a_forced_call_takes_parameters_with_defs(smollm2: Any) -> None:
+    """pydantic writes nested models as `#/$defs/...` references: inside the call's schema
+    they must still resolve (lifted to its root, named per function)."""
+    params = {
+        "type": "object",
+        "properties": {"home": {"$ref": "#/$defs/Address"}},
+        "required": ["home"],
+        "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    }
+    tools = [{"type": "function", "function": {"name": "save", "parameters": params}}]
+    spec = call_grammar(chat_tools(tools, "required", True), "hermes")
+    grammars = GrammarCompiler(smollm2)
+    grammars.check(Constraint(spec.kind, spec.value))
+    matcher = llguidance.LLMatcher(
+        grammars.ll_tokenizer, grammar_for(Constraint(spec.kind, spec.value))
+    )
+    text = write_calls("hermes", [("save", '{"home":{"city":"Paris"}}')], True)
+    assert matcher.consume_tokens(smollm2.encode(text, False)) and matcher.is_accepting()

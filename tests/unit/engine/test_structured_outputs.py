@@ -23,7 +23,12 @@ from engine.loader import LoadedModel, load_model
 from engine.logits import LogitsProcessor
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import Constraint, SamplingParams
-from engine.structured import GrammarCompiler, StructuredOutputError, grammar_for
+from engine.structured import (
+    GrammarCompiler,
+    StructuredOutputError,
+    grammar_for,
+    tightened,
+)
 from tests.unit.engine.invariants import check_all_returned
 
 PROMPTS = ["Hello, world. How are you today?", "the quick brown fox", "Engines batch requests"]
@@ -296,3 +301,41 @@ def test_penalties_follow_the_reference(
         LogitsProcessor().apply(expected, [0], [request], {})
         torch.testing.assert_close(processed, expected)
         assert tokens[step] == int(expected.argmax())
+
+
+def test_schemas_are_tightened_so_a_weak_model_cannot_run_on(
+    grammars: GrammarCompiler,
+) -> None:
+    """A weak model's greedy loops ("1222222...", key after made-up key) cannot run to
+    max_tokens; what the grammar admits still validates against the schema as written."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "number"}, "i": {"type": ["integer", "null"]}},
+        "enum": [{"type": "integer"}],
+        "$defs": {"Open": {"type": "object", "additionalProperties": True, "properties": {}}},
+        "allOf": [{"properties": {"a": {"type": "string"}}}],
+    }
+    t = tightened(schema)
+    assert t["properties"]["n"]["maximum"] == 2**53 - 1
+    assert t["properties"]["i"]["minimum"] == -(2**53 - 1)
+    assert t["enum"] == schema["enum"]  # data, not a schema
+    assert t["$defs"]["Open"]["additionalProperties"] is True
+    assert "additionalProperties" not in t  # it has allOf: its members hold properties too
+    assert "additionalProperties" not in t["allOf"][0]
+    assert tightened({"type": "integer", "minimum": 0}) == {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 2**53 - 1,
+    }
+    closed = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert tightened(closed)["additionalProperties"] is False
+    tok = grammars.tokenizer
+    for constraint, text in (
+        (Constraint("json_schema", json.dumps({"type": "integer"})), "1" + "2" * 40),
+        (Constraint("grammar", 'start: "n=" %json{"type": "integer"}'), "n=1" + "2" * 40),
+        (Constraint("json_schema", json.dumps(closed)), '{"a":"x","b":1}'),
+    ):
+        matcher = grammars.matcher(constraint)
+        for token_id in tok.encode(text, add_special_tokens=False):
+            matcher.consume(token_id)
+        assert matcher.error is not None, constraint  # refused past the bound / extra key
