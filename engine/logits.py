@@ -11,6 +11,17 @@ before the grammar keeps -inf at -inf, so where the grammar mask goes in the ord
 change the result. A resumed attempt's resumed tokens are output here, as they were for
 the attempt that made them. The grammar wins over min_tokens: a row whose grammar allows
 nothing but a stop token keeps it.
+
+A constrained request winding up (its last quarter of max_tokens, at least `WRAP_UP_MIN`
+tokens, or while its last outputs repeat: `looping`) is steered to the end of its output,
+one allowed token at a time: inside a JSON string the first of `STRING_ENDS` the grammar
+allows (what ends a string, an email, a date-time, a pattern soonest), elsewhere the
+first of `STRUCTURE_ENDS` (close objects and arrays, go on to what is required); when
+none is allowed, a token of its last `WRAP_UP_WINDOW` outputs only if nothing else is. A
+token its last `LOOP_REPEATS` outputs all were is never taken again while another is
+allowed. A weak model looping in a free string, an open array or a number would
+otherwise be cut at max_tokens with output that does not parse; this way it ends valid.
+A model that does not loop and ends within three quarters of max_tokens is never steered.
 """
 
 from __future__ import annotations
@@ -24,6 +35,38 @@ from engine.core.request import Request
 from engine.structured import RequestMatcher
 
 NEG_INF = float("-inf")
+WRAP_UP_MIN = 32  # tokens: the least a constrained request keeps for closing its JSON
+LOOP_WINDOW = 12  # recent outputs that, repeating with a period of at most LOOP_PERIOD,
+LOOP_PERIOD = 4  # are a loop: the request winds up until it is out of it
+WRAP_UP_WINDOW = 16  # recent outputs a winding-up request does not repeat
+LOOP_REPEATS = 4  # the same token this many times in a row is a loop
+# inside a string: what ends a string, an email, a date-time, a pattern soonest ("1": a
+# year, month or day of 0 is not a date to every reader)
+STRING_ENDS = '"@.Z1a'
+# elsewhere: close objects and arrays, go on to what is required, null a nullable value
+# (a recursion ends there), a value as short as any
+STRUCTURE_ENDS = '}],n"1'
+
+
+def winding_up(request: Request) -> bool:
+    """Whether a constrained request winds up: in its last quarter of max_tokens (counted
+    from the first attempt's, so a resumed attempt winds up at the same token), or while
+    its recent outputs repeat (" gate gate gate ...")."""
+    params = request.sampling_params
+    left = params.max_tokens - len(request.output_token_ids)
+    budget = params.max_tokens + request.num_resumed_tokens
+    return left <= max(WRAP_UP_MIN, budget // 4) or looping(output_token_ids(request))
+
+
+def looping(tokens: Sequence[int]) -> bool:
+    """Whether the last `LOOP_WINDOW` tokens repeat with a period of at most `LOOP_PERIOD`."""
+    if len(tokens) < LOOP_WINDOW:
+        return False
+    tail = tokens[-LOOP_WINDOW:]
+    return any(
+        all(tail[i] == tail[i - p] for i in range(p, LOOP_WINDOW))
+        for p in range(1, LOOP_PERIOD + 1)
+    )
 
 
 def output_token_ids(request: Request) -> list[int]:
@@ -44,6 +87,25 @@ def grammar_allowed(
         matcher.fill_mask(row)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     return torch.from_numpy(bits.view(np.bool_))
+
+
+def _wind_up(allowed: torch.Tensor, matcher: RequestMatcher, request: Request) -> torch.Tensor:
+    """The tokens a winding-up request may take next, a subset of `allowed`."""
+    vocab = allowed.shape[0]
+    recent = [t for t in output_token_ids(request)[-WRAP_UP_WINDOW:] if t < vocab]
+    tail = recent[-LOOP_REPEATS:]
+    if len(tail) == LOOP_REPEATS and len(set(tail)) == 1:
+        unlooped = allowed.clone()
+        unlooped[tail[0]] = False
+        allowed = unlooped if bool(unlooped.any()) else allowed
+    for token_id in matcher.single_tokens(STRING_ENDS if matcher.in_string else STRUCTURE_ENDS):
+        if token_id < vocab and bool(allowed[token_id]):
+            only = torch.zeros_like(allowed)
+            only[token_id] = True
+            return only
+    fresh = allowed.clone()
+    fresh[recent] = False
+    return fresh if bool(fresh.any()) else allowed
 
 
 class LogitsProcessor:
@@ -76,6 +138,10 @@ class LogitsProcessor:
         if constrained:
             bits = grammar_allowed([m for _, m in constrained], mask_words, vocab)
             allowed = {row: bits[j] for j, (row, _) in enumerate(constrained)}
+            by_row = dict(zip(rows, requests, strict=True))
+            for row, matcher in constrained:
+                if winding_up(by_row[row]):
+                    allowed[row] = _wind_up(allowed[row], matcher, by_row[row])
 
         penalised: list[tuple[int, Request]] = []
         for row, request in zip(rows, requests, strict=True):

@@ -170,6 +170,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._llt: llguidance.LLTokenizer | None = None
+        self._singles: dict[str, list[int]] = {}
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -188,6 +189,18 @@ class GrammarCompiler:
                     )
                 llt = self._llt
         return llt
+
+    def single_tokens(self, chars: str) -> list[int]:
+        """The ids of those of `chars` that are one token each, in order."""
+        found = self._singles.get(chars)
+        if found is None:
+            found = []
+            for ch in chars:
+                ids = self.tokenizer.encode(ch, add_special_tokens=False)
+                if len(ids) == 1 and self.ll_tokenizer.decode_bytes(ids) == ch.encode():
+                    found.append(ids[0])
+            self._singles[chars] = found
+        return found
 
     @property
     def mask_words(self) -> int:
@@ -264,7 +277,17 @@ class RequestMatcher:
     constrained; from the token that completes it, a fresh grammar starts (what that token
     holds past `after` is not seen by the grammar)."""
 
-    __slots__ = ("_after", "_compiler", "_consumed", "_matcher", "_pristine", "_tail", "active")
+    __slots__ = (
+        "_after",
+        "_compiler",
+        "_consumed",
+        "_escaped",
+        "_matcher",
+        "_pristine",
+        "_tail",
+        "active",
+        "in_string",
+    )
 
     def __init__(
         self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, after: str | None
@@ -275,11 +298,18 @@ class RequestMatcher:
         self._after = after.encode() if after else b""
         self._tail = b""
         self._consumed = 0
+        self.in_string = self._escaped = False
         self.active = not after  # the grammar constrains the next token
+        # inside a JSON string of the constrained output (its unescaped quotes are odd)
+        self.in_string = False
+        self._escaped = False
 
     @property
     def num_consumed(self) -> int:
         return self._consumed
+
+    def single_tokens(self, chars: str) -> list[int]:
+        return self._compiler.single_tokens(chars)
 
     @property
     def stopped(self) -> bool:
@@ -299,6 +329,7 @@ class RequestMatcher:
         self._consumed += 1
         if self.active:
             self._matcher.consume_token(token_id)
+            self._track_strings(self._compiler.ll_tokenizer.decode_bytes([token_id]))
             return self._matcher.is_stopped()
         # waiting for `after`: look for it in the bytes seen so far (a bounded tail)
         tail = self._tail + self._compiler.ll_tokenizer.decode_bytes([token_id])
@@ -308,6 +339,15 @@ class RequestMatcher:
         else:
             self._tail = tail[-(len(self._after) - 1) :] if len(self._after) > 1 else b""
         return False
+
+    def _track_strings(self, text: bytes) -> None:
+        for byte in text:
+            if self._escaped:
+                self._escaped = False
+            elif byte == 0x5C and self.in_string:  # a backslash escapes what follows
+                self._escaped = True
+            elif byte == 0x22:  # '"'
+                self.in_string = not self.in_string
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Consume what `output_token_ids` holds past the tokens taken so far; a shorter

@@ -137,3 +137,13 @@ def test_engine_refuses_what_it_cannot_serve() -> None:
         with pytest.raises(RequestRejectedError):
             core.add_request(EngineRequest("r", [1, 2, 3], params))
         assert not core.has_unfinished()
+
+
+def test_a_loop_is_a_short_period_over_the_last_outputs() -> None:
+    from engine.logits import LOOP_WINDOW, looping
+
+    assert looping([7] * LOOP_WINDOW)
+    assert looping([1, 2, 3] * 4)
+    assert looping([9, 9, 1, 2, 3, 4] * 2 + [1, 2, 3, 4])
+    assert not looping([1, 2, 3, 4, 5] * 3)  # a period of 5 is text, not a loop
+    assert not looping([7] * (LOOP_WINDOW - 1))

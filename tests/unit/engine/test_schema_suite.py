@@ -2,12 +2,11 @@
 under its own constraint by the engine (all of them as one batch on one EngineCore), on the
 random-weight tiny-llama preset and on the default model, SmolLM2-135M-Instruct (slow).
 
-An output cut at max_tokens counts as invalid. Both models loop greedily inside the parts of
-a schema that nothing bounds (see `unbounded`), so 100 % validity is an explicit strict
-xfail on each; what must hold, and does: every output that ends parses and validates
-(formats checked), every schema the grammar bounds ends, and every cut output lies in an
-unbounded part and is a prefix the grammar accepts. Also: a request resumed after k tokens,
-as a failed-over worker resubmits it, continues the straight output exactly.
+An output cut at max_tokens counts as invalid, and none is: both models loop greedily where
+a schema bounds nothing (a free string, a number's digits, a recursion), and the engine
+winds such a request up (`engine.logits`), so 100 % of the outputs parse and validate
+(formats checked). Also: a request resumed after k tokens, as a failed-over worker
+resubmits it, continues the straight output exactly.
 """
 
 from __future__ import annotations
@@ -189,73 +188,7 @@ def _report(results: dict[str, Result]) -> str:
     return f"{len(results)} outputs, tokens min {lengths[0]} median {median} max {lengths[-1]}"
 
 
-# -- tiny-llama: random weights, the hardest test of the grammar's own bounds ----------------
-#
-# A random model's greedy output falls into a loop (" gate gate gate …") wherever the grammar
-# lets it go on: a string without maxLength, a number's digits, an object's free keys, an
-# array without maxItems, a recursion. There it never ends, at any max_tokens; llguidance
-# has no compile option bounding them (JsonCompileOptions: separators, whitespace, lenient,
-# escapes), so only the schema can. The schemas the grammar bounds must all end and
-# validate; an output cut in an unbounded part must still be what the grammar accepts.
-
-_UNBOUNDED_PATTERN = re.compile(r"(?<!\\)[*+]|\{\d+,\}")
-
-
-def unbounded(schema: Any, root: Any, refs: tuple[str, ...] = ()) -> set[str]:
-    """Where `schema` lets an output go on forever (empty: the grammar bounds it)."""
-    if isinstance(schema, bool):
-        return {"free value"} if schema else set()
-    if not isinstance(schema, dict):
-        return set()
-    out: set[str] = set()
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        if ref in refs:
-            return {"recursion"}
-        node = root
-        for part in ref.removeprefix("#/").split("/"):
-            node = node[part]
-        out |= unbounded(node, root, (*refs, ref))
-    for key in ("anyOf", "oneOf", "allOf"):
-        for sub in schema.get(key, []):
-            out |= unbounded(sub, root, refs)
-    if "enum" in schema or "const" in schema:
-        return out
-    types = schema.get("type")
-    types = types if isinstance(types, list) else [types] if types else []
-    if not types and not any(k in schema for k in ("$ref", "anyOf", "oneOf", "allOf")):
-        out.add("free value")
-    for t in types:
-        if t == "string":
-            pattern = schema.get("pattern")
-            if pattern is not None:
-                if _UNBOUNDED_PATTERN.search(pattern):
-                    out.add("string")
-            elif schema.get("format") in ("email", "date-time", "time"):
-                out.add(f"format {schema['format']}")  # a local part, fractional seconds
-            elif "maxLength" not in schema and "format" not in schema:
-                out.add("string")
-        elif t == "number":
-            out.add("number")  # its fraction's digits, bounds or not
-        elif t == "integer" and not ("minimum" in schema and "maximum" in schema):
-            out.add("integer")
-        elif t == "array":
-            items = schema.get("items")
-            if items is not False and "maxItems" not in schema:
-                out.add("array")
-            if items is not None:
-                out |= unbounded(items, root, refs)
-            for sub in schema.get("prefixItems", []):
-                out |= unbounded(sub, root, refs)
-        elif t == "object":
-            if schema.get("additionalProperties", True) is not False:
-                out.add("free keys")
-            for sub in schema.get("properties", {}).values():
-                out |= unbounded(sub, root, refs)
-    return out
-
-
-UNBOUNDED = {case.name: unbounded(case.schema, case.schema) for case in SCHEMAS}
+# -- tiny-llama: random weights, the hardest test of the engine's wind-up ------------------
 
 
 @pytest.fixture(scope="module")
@@ -276,46 +209,6 @@ def tiny_suite(tiny: LoadedModel, tiny_prompts: dict[str, list[int]]) -> dict[st
     return results
 
 
-def test_the_suite_has_bounded_and_unbounded_schemas() -> None:
-    assert UNBOUNDED["address"] == set() and UNBOUNDED["iso_dates"] == {
-        "format date-time",
-        "format time",
-    }
-    assert UNBOUNDED["tree_node_recursive"] == {"integer", "recursion"}
-    assert UNBOUNDED["username_pattern"] == set() and UNBOUNDED["any_object"] == {"free keys"}
-    bounded = [name for name, why in UNBOUNDED.items() if not why]
-    assert len(bounded) >= 12, bounded
-
-
-def test_bounded_schemas_all_end_and_validate_on_tiny_llama(
-    tiny_suite: dict[str, Result],
-) -> None:
-    bad = failures(tiny_suite)
-    bounded_bad = {name: why for name, why in bad.items() if not UNBOUNDED[name]}
-    assert not bounded_bad, _listing(bounded_bad)
-
-
-def test_every_ended_output_validates_and_every_cut_one_is_a_valid_prefix(
-    tiny: LoadedModel, tiny_suite: dict[str, Result]
-) -> None:
-    bad = failures(tiny_suite)
-    assert all(tiny_suite[name][2] == "length" for name in bad), _listing(bad)
-    grammars = GrammarCompiler(tiny.tokenizer, tiny.config.vocab_size, tiny.eos_token_ids)
-    for name in bad:
-        tokens = tiny_suite[name][0]
-        assert len(tokens) == MAX_TOKENS and UNBOUNDED[name], name
-        matcher = grammars.matcher(constraint(by_name(name)))
-        for token in tokens:
-            assert not matcher.consume(token), f"{name}: the grammar ended, the engine went on"
-        assert matcher.error is None, f"{name}: {matcher.error}"
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="random weights loop greedily inside unbounded strings, numbers, free keys and "
-    "recursions (most of the suite at 512 tokens); no max_tokens ends a loop and llguidance "
-    "offers no default maxLength: only the schema can bound them",
-)
 def test_every_schema_validates_on_tiny_llama(tiny_suite: dict[str, Result]) -> None:
     bad = failures(tiny_suite)
     assert not bad, _listing(bad)
@@ -323,7 +216,7 @@ def test_every_schema_validates_on_tiny_llama(tiny_suite: dict[str, Result]) -> 
 
 def _listing(bad: dict[str, str]) -> str:
     return f"{len(bad)}/{len(SCHEMAS)} invalid:\n" + "\n".join(
-        f"{name} (unbounded: {sorted(UNBOUNDED[name])}): {why}" for name, why in bad.items()
+        f"{name}: {why}" for name, why in bad.items()
     )
 
 
@@ -336,7 +229,7 @@ RESUMED_SCHEMAS = [
     "classification_multi",
     "shipping_and_billing_refs",
     "bank_transaction",
-    "payment_method_oneof",  # cut at max_tokens inside an email: the budget carries over
+    "payment_method_oneof",  # loops inside an email and winds up: the resume does the same
     "tree_node_recursive",
 ]
 
@@ -361,8 +254,7 @@ def test_a_resumed_request_continues_the_straight_output_exactly(
             requests.append(EngineRequest(rid, tiny_prompts[name] + tokens[:k], params,
                                           num_resumed_tokens=k))  # fmt: skip
             expected[rid] = (tokens, text, reason, k)
-    assert any(tiny_suite[n][2] == "length" for n in RESUMED_SCHEMAS)
-    assert sum(tiny_suite[n][2] == "stop" for n in RESUMED_SCHEMAS) >= 5
+    assert all(tiny_suite[n][2] == "stop" for n in RESUMED_SCHEMAS)
     prompts = [r.prompt_token_ids for r in requests]
     results = run(make_core(tiny, prompts), requests)
     diverged = []
@@ -399,22 +291,6 @@ def smollm2_suite(smollm2: LoadedModel) -> dict[str, Result]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 65 requests of up to 512 tokens, batched, on 2 CPU cores
-def test_every_ended_output_validates_and_every_cut_one_is_unbounded_on_smollm2(
-    smollm2: LoadedModel, smollm2_suite: dict[str, Result]
-) -> None:
-    bad = failures(smollm2_suite)
-    assert all(smollm2_suite[name][2] == "length" for name in bad), _listing(bad)
-    assert all(UNBOUNDED[name] for name in bad), _listing(bad)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.xfail(
-    strict=True,
-    reason="SmolLM2-135M repeats itself greedily in unbounded parts (free keys, email "
-    "local parts, digits, recursions): about a third of the suite cut at 512 tokens, "
-    "every one unbounded; every output that ended validates",
-)
 def test_every_schema_validates_on_smollm2(smollm2_suite: dict[str, Result]) -> None:
     bad = failures(smollm2_suite)
     assert not bad, _listing(bad)
