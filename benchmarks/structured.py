@@ -30,6 +30,10 @@ from benchmarks.schemas import SCHEMAS, SchemaCase
 from benchmarks.stats import percentile
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# every constrained request's max_tokens: room for any instance of the suite, so an output
+# that does not validate is the engine's fault, not the budget's (the mixed workload's own
+# output lengths, U[16, 256], would cut the larger schemas short)
+CONSTRAINED_MAX_TOKENS = 512
 
 
 def latency_summary(values_ms: Sequence[float]) -> dict[str, float]:
@@ -99,7 +103,7 @@ def _bench_throughput(run: Any, prompts: list[list[int]], outputs: list[int], re
     constrained = [
         SamplingParams(
             temperature=0.0,
-            max_tokens=o,
+            max_tokens=CONSTRAINED_MAX_TOKENS,
             constraint=Constraint("json_schema", json.dumps(case.schema)),
         )
         for o, case in zip(outputs, cases, strict=True)
@@ -243,7 +247,7 @@ def _vllm_runner() -> None:
     def generate(params: list[Any], tag: str) -> tuple[dict, list[Any]]:
         llm.reset_prefix_cache()
         t0, first, done = time.perf_counter(), {}, {}
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        for i, (p, sp) in enumerate(zip(prompts[: len(params)], params, strict=True)):
             engine.add_request(f"{tag}{i}", p, sp)
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -251,13 +255,16 @@ def _vllm_runner() -> None:
                     first.setdefault(o.request_id, time.perf_counter() - t0)
                 if o.finished:
                     done[o.request_id] = o.outputs[0]
-        finals = [done[f"{tag}{i}"] for i in range(len(prompts))]
+        finals = [done[f"{tag}{i}"] for i in range(len(params))]
         generated = sum(len(f.token_ids) for f in finals)
         return run_figures(generated, time.perf_counter() - t0, first.values()), finals
 
     constrained = [
         SamplingParams(
-            temperature=0.0, max_tokens=n, structured_outputs=StructuredOutputsParams(json=s)
+            temperature=0.0,
+            max_tokens=n,
+            # compact JSON, as Sluice's (free whitespace lets a weak model loop in blanks)
+            structured_outputs=StructuredOutputsParams(json=s, disable_any_whitespace=True),
         )
         for n, s in zip(job["outputs"], job["schemas"], strict=True)
     ]
@@ -293,6 +300,7 @@ def run(
 
     from benchmarks.engine import SluiceRun, apply_process_options, bench_workloads, engine_options
     from engine.loader import load_model, resolve_model_dir
+    from engine.runner.model_runner import torch_dtype
     from engine.structured import GrammarCompiler
 
     apply_process_options(engine_options())
@@ -320,7 +328,18 @@ def run(
     engine.runner.grammars = GrammarCompiler(lm.tokenizer, lm.config.vocab_size, lm.eos_token_ids)
     result["mixed"] = _bench_throughput(engine, prompts, outputs, 1 if quick else 3)
     if vllm:
-        result["vllm"] = _bench_vllm(str(path), dtype, prompts, outputs)
+        if path.suffix == ".gguf":  # vLLM on the same weights as a Hugging Face directory
+            from pathlib import Path
+
+            from benchmarks.engine_peers import export_hf
+
+            path = export_hf(path, Path(".peers/exports"), torch_dtype(dtype))
+        budgets = [CONSTRAINED_MAX_TOKENS] * len(prompts)
+        result["vllm"] = peer = _bench_vllm(str(path), dtype, prompts, budgets)
+        if "systems" in peer:
+            ours = result["mixed"]["systems"]["constrained"]["tokens_per_s"]
+            theirs = peer["systems"]["constrained"]["tokens_per_s"]
+            result["sluice_vs_vllm_constrained"] = round(ours / theirs, 2)
     result["load_avg_after"] = round(os.getloadavg()[0], 2)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return result
@@ -347,6 +366,11 @@ def render(result: dict) -> str:
         f" (goal >= 0.95x, {mixed['requests']} requests, {mixed['reps']} reps)"
         + (f", vllm {vllm['ratio_constrained_vs_unconstrained']}x" if "systems" in vllm else "")
     )
+    if "sluice_vs_vllm_constrained" in result:
+        lines.append(
+            f"sluice / vllm, constrained tokens/s: {result['sluice_vs_vllm_constrained']}x"
+            " (goal >= 1.2x)"
+        )
     for name, v in (("sluice", mixed["validity"]), ("vllm", vllm.get("validity"))):
         if v:
             lines.append(
