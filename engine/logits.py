@@ -78,34 +78,52 @@ def output_token_ids(request: Request) -> list[int]:
     return request.prompt_token_ids[-resumed:] + request.output_token_ids
 
 
-def grammar_allowed(
-    matchers: Sequence[RequestMatcher], mask_words: int, vocab: int
-) -> torch.Tensor:
-    """[len(matchers), vocab] bool: the tokens each grammar allows next."""
+def grammar_allowed(matchers: Sequence[RequestMatcher], mask_words: int, vocab: int) -> np.ndarray:
+    """[len(matchers), vocab] bool: the tokens each grammar allows next. numpy, as is the
+    mask's use: a torch op here would wake torch's thread pool, whose spinning helpers
+    slow the fused decode kernels of the next step."""
     words = np.zeros((len(matchers), mask_words), dtype=np.int32)
     for row, matcher in zip(words, matchers, strict=True):
         matcher.fill_mask(row)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(bits.view(np.bool_))
+    return bits.view(np.bool_)
 
 
-def _wind_up(allowed: torch.Tensor, matcher: RequestMatcher, request: Request) -> torch.Tensor:
+def _wind_up(allowed: np.ndarray, matcher: RequestMatcher, request: Request) -> np.ndarray:
     """The tokens a winding-up request may take next, a subset of `allowed`."""
     vocab = allowed.shape[0]
     recent = [t for t in output_token_ids(request)[-WRAP_UP_WINDOW:] if t < vocab]
     tail = recent[-LOOP_REPEATS:]
     if len(tail) == LOOP_REPEATS and len(set(tail)) == 1:
-        unlooped = allowed.clone()
+        unlooped = allowed.copy()
         unlooped[tail[0]] = False
-        allowed = unlooped if bool(unlooped.any()) else allowed
+        allowed = unlooped if unlooped.any() else allowed
     for token_id in matcher.single_tokens(STRING_ENDS if matcher.in_string else STRUCTURE_ENDS):
-        if token_id < vocab and bool(allowed[token_id]):
-            only = torch.zeros_like(allowed)
+        if token_id < vocab and allowed[token_id]:
+            only = np.zeros_like(allowed)
             only[token_id] = True
             return only
-    fresh = allowed.clone()
+    fresh = allowed.copy()
     fresh[recent] = False
-    return fresh if bool(fresh.any()) else allowed
+    return fresh if fresh.any() else allowed
+
+
+def _grammar_takes_argmax(row: np.ndarray, request: Request, matcher: RequestMatcher) -> bool:
+    """Whether a greedy row with nothing else to process needs no mask: its grammar allows
+    the raw argmax, which is then the masked argmax too (checking one token costs a few
+    µs, a mask tens)."""
+    params = request.sampling_params
+    if (
+        params.temperature != 0.0
+        or params.logit_bias
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or len(request.output_token_ids) < params.min_tokens
+        or winding_up(request)
+    ):
+        return False
+    return matcher.accepts(int(row.argmax()))
 
 
 class LogitsProcessor:
@@ -129,19 +147,21 @@ class LogitsProcessor:
         """logits: [N, V] fp32 on CPU; rows[i] is the row of requests[i]. A request in
         `matchers` whose matcher is active gets its grammar's mask."""
         vocab = logits.shape[1]
+        values = logits.numpy()
         constrained = [
-            (row, matchers[r.request_id])
+            (row, r, matchers[r.request_id])
             for row, r in zip(rows, requests, strict=True)
-            if r.request_id in matchers and matchers[r.request_id].active
+            if r.request_id in matchers
+            and matchers[r.request_id].active
+            and not _grammar_takes_argmax(values[row], r, matchers[r.request_id])
         ]
-        allowed: dict[int, torch.Tensor] = {}
+        allowed: dict[int, np.ndarray] = {}
         if constrained:
-            bits = grammar_allowed([m for _, m in constrained], mask_words, vocab)
-            allowed = {row: bits[j] for j, (row, _) in enumerate(constrained)}
-            by_row = dict(zip(rows, requests, strict=True))
-            for row, matcher in constrained:
-                if winding_up(by_row[row]):
-                    allowed[row] = _wind_up(allowed[row], matcher, by_row[row])
+            bits = grammar_allowed([m for _, _, m in constrained], mask_words, vocab)
+            allowed = {row: bits[j] for j, (row, _, _) in enumerate(constrained)}
+            for row, request, matcher in constrained:
+                if winding_up(request):
+                    allowed[row] = _wind_up(allowed[row], matcher, request)
 
         penalised: list[tuple[int, Request]] = []
         for row, request in zip(rows, requests, strict=True):
@@ -167,7 +187,7 @@ class LogitsProcessor:
         if penalised:
             self._penalise(logits, penalised)
         for row, mask in allowed.items():
-            logits[row].masked_fill_(~mask, NEG_INF)
+            np.putmask(values[row], ~mask, NEG_INF)
 
     def _penalise(self, logits: torch.Tensor, penalised: list[tuple[int, Request]]) -> None:
         vocab = logits.shape[1]

@@ -86,6 +86,17 @@ class SamplingParams:
             or self.constraint is not None
         )
 
+    @property
+    def only_constrained(self) -> bool:
+        """Whether a grammar is all that may change this request's logits (none included)."""
+        return not (
+            self.min_tokens > 0
+            or self.logit_bias
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")

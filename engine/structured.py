@@ -320,6 +320,10 @@ class RequestMatcher:
     def error(self) -> str | None:
         return self._matcher.get_error() or None if self._matcher.is_error() else None
 
+    def accepts(self, token_id: int) -> bool:
+        """Whether the grammar takes `token_id` next (not consumed)."""
+        return self._matcher.validate_tokens([token_id]) == 1
+
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the allowed-token bitmask (int32 words, bit set = allowed) into `row`."""
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)

@@ -11,6 +11,7 @@ them when the scheduler reports the request finished.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -26,7 +27,7 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request
 from engine.errors import RequestRejectedError
-from engine.logits import LogitsProcessor, output_token_ids
+from engine.logits import LogitsProcessor, output_token_ids, winding_up
 from engine.models.cpu_linear import (
     PackedLinear,
     native_low_precision,
@@ -268,10 +269,11 @@ class ModelRunner:
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         params = [s.request.sampling_params for s in inputs.sampling]
-        if any(p.processes_logits for p in params):
+        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        processed = any(p.processes_logits for p in params)
+        if processed and not (greedy and all(p.only_constrained for p in params)):
             logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=True)
             return self._sample_processed(inputs.sampling, params, logits.cpu())
-        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
         # a bf16 step's greedy rows: argmax over its bf16 logits, no fp32 copy of them
         bf16_argmax = self.bf16_ops if greedy and inputs.meta.cpu_ops is None else None
         logits = self.model.compute_logits(hidden, inputs.meta.cpu_ops, fp32=bf16_argmax is None)
@@ -281,6 +283,8 @@ class ModelRunner:
                 tokens = bf16_argmax.argmax_bf16(logits).tolist()
             else:
                 tokens = greedy_tokens(logits.cpu()).tolist()
+            if processed:
+                return self._constrain_greedy(inputs.sampling, logits, tokens)
             return RunnerOutput(
                 sampled=[
                     SampledToken(s.request_id, t)
@@ -355,19 +359,64 @@ class ModelRunner:
             self._generator(s.request_id, p.seed) for s, p in zip(sampling, params, strict=True)
         ]
         out = self.sampler.sample(logits, params, gens, raw)
+        return self._take(sampling, out.token_ids, out.logprobs, out.top_logprobs, matchers, failed)
+
+    def _constrain_greedy(
+        self, sampling: list[ScheduledRequest], logits: torch.Tensor, tokens: list[int]
+    ) -> RunnerOutput:
+        """A greedy step whose only processing is grammars: the raw argmax stands wherever
+        the grammar takes it (a token's check costs µs, a mask tens); the other constrained
+        rows (and those winding up) are masked in fp32 and take their masked argmax."""
+        failed: dict[str, str] = {}
+        matchers = self._ready_matchers(sampling, failed)
+        redo = [
+            i
+            for i, s in enumerate(sampling)
+            if (m := matchers.get(s.request_id)) is not None
+            and m.active
+            and (winding_up(s.request) or not m.accepts(tokens[i]))
+        ]
+        if redo:
+            if logits.dtype == torch.float32:
+                # numpy's gather: torch's may wake its thread pool, whose spinning helpers
+                # slow the next step's fused decode kernels
+                sub = torch.from_numpy(logits.cpu().numpy()[redo])
+            else:  # a bf16 step, on that pool anyway: convert only the rows masked
+                sub = logits[redo].float().cpu()
+            self._logits_processor.apply(
+                sub,
+                list(range(len(redo))),
+                [sampling[i].request for i in redo],
+                matchers,
+                self.grammars.mask_words if self.grammars is not None else 0,
+            )
+            for i, token_id in zip(redo, greedy_tokens(sub).tolist(), strict=True):
+                tokens[i] = token_id
+        none: list[None] = [None] * len(tokens)
+        return self._take(sampling, tokens, none, none, matchers, failed)
+
+    def _take(
+        self,
+        sampling: list[ScheduledRequest],
+        tokens: Sequence[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[list[tuple[int, float]] | None],
+        matchers: dict[str, RequestMatcher],
+        failed: dict[str, str],
+    ) -> RunnerOutput:
+        """The step's sampled tokens, each constrained row's consumed by its matcher (a
+        grammar that completes ends its request; one that errs fails it alone)."""
         sampled: list[SampledToken] = []
         for i, s in enumerate(sampling):
             if s.request_id in failed:
                 continue
-            token_id = out.token_ids[i]
+            token_id = tokens[i]
             matcher = matchers.get(s.request_id)
             stop = matcher.consume(token_id) if matcher is not None else False
             if matcher is not None and matcher.error is not None:
                 failed[s.request_id] = f"structured output failed: {matcher.error}"
                 continue
-            sampled.append(
-                SampledToken(s.request_id, token_id, out.logprobs[i], out.top_logprobs[i], stop)
-            )
+            sampled.append(SampledToken(s.request_id, token_id, logprobs[i], tops[i], stop))
         return RunnerOutput(sampled=sampled, failed=failed)
 
     def _ready_matchers(
