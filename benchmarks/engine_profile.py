@@ -49,11 +49,23 @@ def copy_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
 
 
 def _bytes(module: torch.nn.Module) -> int:
-    """Bytes its weights hold (a packed projection's kernel copies count once: the bigger)."""
+    """Bytes of weights a decode step reads: every tensor a submodule holds (parameters,
+    buffers, packed copies), a packed projection's two copies counted once (the bf16 one
+    the decode kernels read, or the packed one)."""
     total = 0
     for m in module.modules():
-        own = [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-        total += sum(t.numel() * t.element_size() for t in own)
+        own = {
+            id(t): t
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False), *vars(m).values())
+            if isinstance(t, torch.Tensor)
+        }
+        small = getattr(m, "small_weight", None)
+        if isinstance(small, torch.Tensor):
+            own.pop(id(getattr(m, "packed", None)), None)
+        total += sum(t.numel() * t.element_size() for t in own.values() if not t.is_mkldnn)
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, torch.Tensor) and packed.is_mkldnn and small is None:
+            total += m.in_features * m.out_features * packed.element_size()
     return total
 
 
