@@ -88,6 +88,16 @@ def response_format_spec(fmt: dict[str, Any] | None, param: str) -> StructuredSp
     return _spec("json_schema", schema, where)
 
 
+def constrained(body: Any) -> bool:
+    """Whether a chat or completions body sets an output constraint (building it compiles
+    one, off the event loop)."""
+    return bool(
+        getattr(body, "response_format", None)
+        or getattr(body, "structured_outputs", None)
+        or any(getattr(body, key, None) is not None for key in _GUIDED)
+    )
+
+
 def request_spec(body: Any) -> tuple[StructuredSpec | None, str | None]:
     """The one constraint of a chat or completions body and the param that set it; a 400
     when more than one is set."""

@@ -109,15 +109,8 @@ def output_plan(body: ChatCompletionRequest, model: ServedModel) -> OutputPlan:
 
 def compiles(body: ChatCompletionRequest) -> bool:
     """Whether building this body compiles a constraint (it then builds off the loop)."""
-    return bool(
-        body.response_format
-        or body.structured_outputs
-        or body.guided_json is not None
-        or body.guided_regex is not None
-        or body.guided_choice is not None
-        or body.guided_grammar is not None
-        or (body.tools and body.tool_choice not in (None, "none", "auto"))
-    )
+    forced_call = body.tools and body.tool_choice not in (None, "none", "auto")
+    return structured.constrained(body) or bool(forced_call)
 
 
 def build(

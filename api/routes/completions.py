@@ -104,14 +104,7 @@ def echo_texts(body: CompletionRequest, model: ServedModel) -> list[str] | None:
 
 
 def compiles(body: CompletionRequest) -> bool:
-    return bool(
-        body.response_format
-        or body.structured_outputs
-        or body.guided_json is not None
-        or body.guided_regex is not None
-        or body.guided_choice is not None
-        or body.guided_grammar is not None
-    )
+    return structured.constrained(body)
 
 
 @router.post("/completions", response_model=None)

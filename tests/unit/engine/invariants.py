@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.core.outputs import SchedulerOutput
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from engine.backends.base import EngineDelta, EngineRequest
+    from engine.engine_core import EngineCore
 
 
 def check_pool_and_tables(scheduler: Scheduler) -> None:
@@ -61,3 +67,33 @@ def check_all_returned(scheduler: Scheduler) -> None:
     assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
     assert scheduler.kv_cache_manager.num_requests() == 0
+
+
+def drive(
+    core: EngineCore, requests: Sequence[EngineRequest] = (), max_steps: int = 5000
+) -> dict[str, list[EngineDelta]]:
+    """Add `requests`, step `core` until nothing is unfinished, and check every block came
+    back; each request's deltas, in order."""
+    for request in requests:
+        core.add_request(request)
+    out: dict[str, list[EngineDelta]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            break
+        for delta in core.step():
+            out.setdefault(delta.request_id, []).append(delta)
+    assert not core.has_unfinished()
+    check_all_returned(core.scheduler)
+    return out
+
+
+def outcomes(out: dict[str, list[EngineDelta]]) -> dict[str, tuple[list[int], str, str | None]]:
+    """Each request's tokens, text and finish reason from its deltas."""
+    return {
+        rid: (
+            [t for d in ds for t in d.token_ids],
+            "".join(d.text for d in ds),
+            ds[-1].finish_reason,
+        )
+        for rid, ds in out.items()
+    }

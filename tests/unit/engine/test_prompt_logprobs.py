@@ -21,7 +21,7 @@ from engine.loader import LoadedModel, load_model
 from engine.runner import model_runner
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import SamplingParams
-from tests.unit.engine.invariants import check_all_returned
+from tests.unit.engine.invariants import drive
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,17 +64,7 @@ def make_core(loaded: LoadedModel, **overrides: Any) -> EngineCore:
 
 
 def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[EngineDelta]]:
-    for request in requests:
-        core.add_request(request)
-    out: dict[str, list[EngineDelta]] = {}
-    for _ in range(1000):
-        if not core.has_unfinished():
-            break
-        for delta in core.step():
-            out.setdefault(delta.request_id, []).append(delta)
-    assert not core.has_unfinished()
-    check_all_returned(core.scheduler)
-    return out
+    return drive(core, requests, max_steps=1000)
 
 
 def params(prompt_logprobs: int | None = 3, max_tokens: int = 4) -> SamplingParams:

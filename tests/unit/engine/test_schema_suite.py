@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from benchmarks.schemas import SCHEMAS, SchemaCase, by_name
-from engine.backends.base import EngineDelta, EngineRequest
+from engine.backends.base import EngineRequest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, tokenizer_detokenizers
 from engine.loader import LoadedModel, load_model
@@ -30,7 +30,7 @@ from engine.model_files import SMOLLM2
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import Constraint, SamplingParams
 from engine.structured import GrammarCompiler
-from tests.unit.engine.invariants import check_all_returned
+from tests.unit.engine.invariants import drive, outcomes
 
 MAX_TOKENS = 512
 Result = tuple[list[int], str, str | None]
@@ -124,27 +124,8 @@ def make_core(loaded: LoadedModel, prompts: list[list[int]]) -> EngineCore:
     )
 
 
-def run(
-    core: EngineCore, requests: list[EngineRequest], max_steps: int = 5000
-) -> dict[str, Result]:
-    for request in requests:
-        core.add_request(request)
-    out: dict[str, list[EngineDelta]] = {}
-    for _ in range(max_steps):
-        if not core.has_unfinished():
-            break
-        for delta in core.step():
-            out.setdefault(delta.request_id, []).append(delta)
-    assert not core.has_unfinished()
-    check_all_returned(core.scheduler)
-    return {
-        rid: (
-            [t for d in ds for t in d.token_ids],
-            "".join(d.text for d in ds),
-            ds[-1].finish_reason,
-        )
-        for rid, ds in out.items()
-    }
+def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Result]:
+    return outcomes(drive(core, requests))
 
 
 def constraint(case: SchemaCase) -> Constraint:

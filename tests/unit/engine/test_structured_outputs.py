@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
+from engine.backends.base import EngineRequest, RequestRejectedError
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.engine_core import EngineCore, tokenizer_detokenizers
@@ -29,7 +29,7 @@ from engine.structured import (
     grammar_for,
     tightened,
 )
-from tests.unit.engine.invariants import check_all_returned
+from tests.unit.engine.invariants import drive, outcomes
 
 PROMPTS = ["Hello, world. How are you today?", "the quick brown fox", "Engines batch requests"]
 SCHEMA = {
@@ -79,24 +79,7 @@ Result = tuple[list[int], str, str | None]
 
 
 def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, Result]:
-    for request in requests:
-        core.add_request(request)
-    out: dict[str, list[EngineDelta]] = {}
-    for _ in range(2000):
-        if not core.has_unfinished():
-            break
-        for delta in core.step():
-            out.setdefault(delta.request_id, []).append(delta)
-    assert not core.has_unfinished()
-    check_all_returned(core.scheduler)
-    return {
-        rid: (
-            [t for d in ds for t in d.token_ids],
-            "".join(d.text for d in ds),
-            ds[-1].finish_reason,
-        )
-        for rid, ds in out.items()
-    }
+    return outcomes(drive(core, requests, max_steps=2000))
 
 
 def greedy(constraint: Constraint | None = None, **kw: Any) -> SamplingParams:

@@ -364,3 +364,22 @@ def test_doctor_reports_a_missing_data_dir_and_leaves_it_missing(
     checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
     assert checks["data dir"]["detail"] == f"{missing} does not exist yet (created on first use)"
     assert not (tmp_path / "not").exists()
+
+
+def test_every_backend_tokenizes_the_default_gguf_as_the_gateway_does(
+    gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upstream backend (and the sim's) reads the GGUF's own tokenizer, the one the
+    gateway tokenizes with: token ids cross the wire, so they must agree."""
+    from sluice.wiring import build_sim_backend, build_upstream_backend, served_model
+
+    monkeypatch.setenv("SLUICE_MODEL", str(gguf))
+    monkeypatch.setenv("SLUICE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("SLUICE_UPSTREAM_URLS", "http://127.0.0.1:9")
+    settings = load_settings(Settings)
+    gateway = served_model(settings).tokenizer
+    text = "<|im_start|>user\nQuelle est la capitale de la France ? 日本<|im_end|>"
+    want = gateway.encode(text, add_special_tokens=False)
+    for backend in (build_upstream_backend(settings), build_sim_backend(settings)):
+        assert backend.tokenizer.encode(text, add_special_tokens=False) == want
+        assert backend.max_model_len == served_model(settings).max_model_len
