@@ -185,6 +185,14 @@ def check_sampling(model: ServedModel, sampling: SamplingSpec) -> None:
             param="top_p",
             code="invalid_value",
         )
+    if sampling.repetition_penalty < sys.float_info.min:
+        # a subnormal penalty divides logits into infinities
+        raise InvalidRequest(
+            f"repetition_penalty must be at least {sys.float_info.min} (the smallest normal "
+            "float)",
+            param="repetition_penalty",
+            code="invalid_value",
+        )
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequest(
             f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "

@@ -7,6 +7,7 @@ reads its limits, the sampler reads the rest. No torch here.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 # Seeds the engine accepts: the signed and the unsigned 64-bit range, so any seed an API
@@ -120,7 +121,10 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
                 )
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+        if not (
+            math.isfinite(self.repetition_penalty)
+            and self.repetition_penalty >= sys.float_info.min  # a subnormal one overflows
+        ):
             raise SamplingParamsError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
