@@ -188,8 +188,7 @@ def check_sampling(model: ServedModel, sampling: SamplingSpec) -> None:
     if sampling.repetition_penalty < sys.float_info.min:
         # a subnormal penalty divides logits into infinities
         raise InvalidRequest(
-            f"repetition_penalty must be at least {sys.float_info.min} (the smallest normal "
-            "float)",
+            f"repetition_penalty must be at least {sys.float_info.min} (the smallest normal float)",
             param="repetition_penalty",
             code="invalid_value",
         )
