@@ -6,8 +6,10 @@ messages when a member leaves, pause/resume. A fake in the Dramatiq sense: a rea
 implementation of `EventBus`, not a mock.
 
 Retention: `sluice serve` runs on this bus for days, so each partition keeps its newest
-`retention_records` (for a late group that replays the topic, as Kafka's size retention
-allows) and, older than those, only what some group may still read (see `_pin`). Offsets
+records, at most `retention_records` of them and `retention_bytes` of values (for a late
+group that replays the topic, as Kafka's retention.bytes allows: a delta batch with top
+logprobs of 32 streams is tens of KB), and, older than those, only what some group may
+still read (see `_pin`). Offsets
 stay absolute: a trimmed log keeps the offset of its first record, Kafka's start offset.
 A group left without members keeps its commits for `empty_group_retention_s` (Kafka's
 offsets.retention.minutes), then is forgotten: a gateway's reply group, one per
@@ -41,11 +43,16 @@ _member_ids = itertools.count(1)
 class _Log:
     """One partition: the retained records and the absolute offset of the first one."""
 
-    __slots__ = ("base", "records")
+    __slots__ = ("base", "nbytes", "records")
 
     def __init__(self) -> None:
         self.base = 0
+        self.nbytes = 0  # of the retained records' values
         self.records: list[Record] = []
+
+    def append(self, record: Record) -> None:
+        self.records.append(record)
+        self.nbytes += len(record.value)
 
     @property
     def end(self) -> int:
@@ -59,8 +66,24 @@ class _Log:
         """Drop the records before `offset` (never past the end)."""
         offset = min(offset, self.end)
         if offset > self.base:
-            del self.records[: offset - self.base]
+            dropped = offset - self.base
+            self.nbytes -= sum(len(r.value) for r in self.records[:dropped])
+            del self.records[:dropped]
             self.base = offset
+
+    def over(self, max_records: int, max_bytes: int) -> bool:
+        return len(self.records) > max_records or self.nbytes > max_bytes
+
+    def window_start(self, max_records: int, max_bytes: int, limit: int) -> int:
+        """Where the newest records, at most `max_records` of them and `max_bytes` of
+        values, begin; never past `limit` (what a group may still read). Walks only the
+        records it drops."""
+        offset, count, nbytes = self.base, len(self.records), self.nbytes
+        while offset < limit and (count > max_records or nbytes > max_bytes):
+            nbytes -= len(self.records[offset - self.base].value)
+            offset += 1
+            count -= 1
+        return offset
 
 
 class _Group:
@@ -81,11 +104,13 @@ class MemoryEventBus:
         self,
         default_partitions: int = 1,
         retention_records: int = 256,
+        retention_bytes: int = 1 << 20,
         empty_group_retention_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._default_partitions = default_partitions
         self._retention_records = retention_records
+        self._retention_bytes = retention_bytes
         self._empty_group_retention_s = empty_group_retention_s
         self._clock = clock
         self._lock = threading.RLock()
@@ -147,7 +172,7 @@ class MemoryEventBus:
                 headers=list(headers or []),
                 timestamp_ms=int(time.time() * 1000),
             )
-            log.records.append(record)
+            log.append(record)
             self._trim(TopicPartition(topic, partition))
             for reader in self._readers.get(topic, ()):
                 reader._wake.notify()
@@ -218,11 +243,12 @@ class MemoryEventBus:
     def _trim(self, tp: TopicPartition) -> None:
         """Drop the records older than the retention window that no group will read."""
         log = self._partitions(tp.topic)[tp.partition]
-        if len(log.records) <= self._retention_records:
+        if not log.over(self._retention_records, self._retention_bytes):
             return
         self._expire_empty_groups()
         pins = [pin for g in self._groups.values() if (pin := _pin(g, tp, log)) is not None]
-        log.trim(min([log.end - self._retention_records, *pins]))
+        limit = min([log.end, *pins])
+        log.trim(log.window_start(self._retention_records, self._retention_bytes, limit))
 
     def _expire_empty_groups(self) -> None:
         horizon = self._clock() - self._empty_group_retention_s

@@ -173,3 +173,21 @@ def test_an_empty_group_stops_pinning_once_its_commits_expire() -> None:
     _publish(bus, 1)
     assert bus.num_retained() == WINDOW
     assert bus._groups == {}
+
+
+def test_large_records_are_retained_by_bytes_and_a_reading_group_loses_none() -> None:
+    bus = MemoryEventBus(retention_records=WINDOW, retention_bytes=3000)
+    bus.create_topics([TopicSpec(TOPIC, 1)])
+    reader = bus.consumer("engine", [TOPIC])
+    reader.poll(0.0)
+    for i in range(20):
+        bus.publish(TOPIC, bytes([i]) * 1000, partition=0).result(1)
+    # the reader has committed nothing: every record stays for it
+    records = _drain(reader)
+    assert [r.value[0] for r in records] == list(range(20))
+    assert bus.num_retained() == 20
+    _commit_all(reader, records)
+    bus.publish(TOPIC, b"x" * 1000, partition=0).result(1)
+    assert bus.num_retained() == 3  # the newest 3000 bytes, not the newest WINDOW records
+    late = bus.consumer("late", [TOPIC])
+    assert [r.offset for r in _drain(late)] == [18, 19, 20]
