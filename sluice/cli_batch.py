@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import ipaddress
 import json
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from sluice.cli_common import emit_json
+from sluice.cli_common import emit_json, served_key
 
 if TYPE_CHECKING:
     # imported when a command runs: `sluice serve` and `--help` need not load the SDK
@@ -185,14 +187,32 @@ def _clock(seconds: float) -> str:
 
 
 def make_client(url: str, api_key: str | None) -> openai.OpenAI:
-    """The SDK's client for `url`; its retries (2, with backoff) ride out a blip in polling."""
+    """The SDK's client for `url`; its retries (2, with backoff) ride out a blip in polling.
+
+    With no key given, a server on this machine is sent the key `sluice serve` keeps in
+    its data dir; a remote one never is."""
+    if not api_key and _is_loopback(url):
+        api_key = served_key()
     if not api_key:
-        raise BatchInputError("no API key: pass --api-key or set SLUICE_API_KEY")
+        raise BatchInputError(
+            "no API key: pass --api-key or set SLUICE_API_KEY or OPENAI_API_KEY (a server"
+            " on this machine: the key `sluice serve` keeps in $SLUICE_DATA_DIR is used)"
+        )
     try:
         import openai
     except ImportError as exc:
         raise BatchInputError("sluice batch needs the openai package: pip install openai") from exc
     return openai.OpenAI(base_url=url, api_key=api_key)
+
+
+def _is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextmanager

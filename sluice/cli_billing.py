@@ -245,16 +245,23 @@ def billing_report(
 def prices_set(
     model: Annotated[str, typer.Argument(help="Model name as clients send it.")],
     input_usd: Annotated[str, typer.Option("--input", help="USD per 1M input tokens.")],
-    cached_input_usd: Annotated[
-        str, typer.Option("--cached-input", help="USD per 1M cached input tokens.")
-    ],
     output_usd: Annotated[str, typer.Option("--output", help="USD per 1M output tokens.")],
+    cached_input_usd: Annotated[
+        str | None,
+        typer.Option(
+            "--cached-input",
+            help="USD per 1M cached input tokens.",
+            show_default="the input price",
+        ),
+    ] = None,
     batch_discount: Annotated[
         str, typer.Option(help="Fraction off on the batch lane, e.g. 0.5 for 50% off.")
     ] = "0",
     data_dir: DataDir = None,
 ) -> None:
     """Set (or replace) a model's prices; applies to usage recorded from now on."""
+    # no discount stated: a prefix-cache hit bills as the input it replaced
+    cached_input_usd = input_usd if cached_input_usd is None else cached_input_usd
     with _database(data_dir) as db:
         row = admin.set_price(db, model, input_usd=input_usd, cached_input_usd=cached_input_usd,
                               output_usd=output_usd, batch_discount=batch_discount)  # fmt: skip

@@ -51,9 +51,19 @@ def settings_or_exit(cls: type[S], **overrides: Any) -> S:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     if settings.log_level != "DEBUG":
-        # librdkafka's own log (bus.kafka.rdkafka) narrates reconnects; keep its errors
-        logging.getLogger("bus.kafka.rdkafka").setLevel(logging.ERROR)
+        for name, level in QUIETED_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
     return settings
+
+
+# what narrates routine work at INFO: librdkafka's reconnects, Celery's every task (the
+# batch sweep runs every 10 s), Alembic's migration context at every start; their
+# warnings and errors still show
+QUIETED_LOGGERS = {
+    "bus.kafka.rdkafka": logging.ERROR,
+    "celery.app.trace": logging.WARNING,
+    "alembic.runtime.migration": logging.WARNING,
+}
 
 
 # billing.db.embedded_url's file; SQLite gives its -wal and -shm files the same mode
@@ -97,3 +107,30 @@ def emit(result: Any, render: Callable[[Any], str], as_json: bool) -> None:
         emit_json(result)
     else:
         typer.echo(render(result))
+
+
+API_KEY_FILE = "api_key"  # in the data dir: the key `serve` generated, kept across starts
+
+
+def key_file(settings: Settings) -> Path:
+    return settings.data_dir.expanduser() / API_KEY_FILE
+
+
+def read_key(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def served_key() -> str | None:
+    """The key a `sluice serve` on this machine generated (its data dir from
+    $SLUICE_DATA_DIR), if there is one to read."""
+    try:
+        settings = load_settings(Settings)
+    except SettingsError:
+        return None
+    try:
+        return read_key(key_file(settings))
+    except OSError:  # not ours to read: another user's data dir
+        return None

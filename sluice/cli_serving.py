@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sluice.cli_common import CONTEXT_SETTINGS, secure_data_dir, settings_or_exit
+from sluice.cli_common import (
+    CONTEXT_SETTINGS,
+    key_file,
+    read_key,
+    secure_data_dir,
+    settings_or_exit,
+)
 from sluice.cli_common import DataDir as DataDir  # re-exported: `bulk` takes it from here
 from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
 
@@ -95,8 +101,8 @@ UpstreamUrl = Annotated[
     typer.Option(
         "--upstream-url",
         metavar="URL",
-        help="An engine server for --backend upstream (vLLM, trtllm-serve, SGLang, llama.cpp,"
-        " sluice serve), its base URL without /v1; repeat for several; overrides"
+        help="An engine server for --backend upstream (vLLM, trtllm-serve, SGLang, sluice"
+        " serve), its URL (a trailing /v1 is dropped); repeat for several; overrides"
         " $SLUICE_UPSTREAM_URLS.",
         show_default=False,
     ),
@@ -118,7 +124,6 @@ def _upstream(urls: list[str] | None) -> dict[str, Any]:
     return {"upstream_urls": ",".join(urls) if urls else None}
 
 
-API_KEY_FILE = "api_key"  # in the data dir: the generated key, kept across starts
 TINY_LLAMA = "tiny-llama"  # the preset (engine.loader.PRESETS), named without importing torch
 TINY_LLAMA_NOTICE = (
     "tiny-llama has random weights: replies are gibberish; "
@@ -133,24 +138,13 @@ def _keys(api_key: str | None, settings: GatewaySettings) -> GatewaySettings:
         return settings.model_copy(update={"api_keys": [api_key]})
     if settings.api_keys:
         return settings
-    return settings.model_copy(update={"api_keys": [_stored_key(_key_file(settings))]})
-
-
-def _key_file(settings: Settings) -> Path:
-    return settings.data_dir.expanduser() / API_KEY_FILE
-
-
-def _read_key(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except FileNotFoundError:
-        return None
+    return settings.model_copy(update={"api_keys": [_stored_key(key_file(settings))]})
 
 
 def _stored_key(path: Path) -> str:
     """The key in `path` (made owner-only if it was not); a new one written there (0600)
     when it is missing or empty."""
-    key = _read_key(path)
+    key = read_key(path)
     if key is None:
         key = f"sk-sluice-{secrets.token_urlsafe(24)}"
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -176,8 +170,8 @@ def _announce(
             typer.echo("tenant keys only: the tenant store has tenants (sluice tenants list)")
             return
     # stdout once, for the person starting it; never through logging (log files persist)
-    key, key_file = settings.api_keys[0], _key_file(settings)
-    kept = f" (kept in {key_file}, reused on every start)" if _read_key(key_file) == key else ""
+    key, path = settings.api_keys[0], key_file(settings)
+    kept = f" (kept in {path}, reused on every start)" if read_key(path) == key else ""
     typer.echo(f"api key: {key}{kept}")
     typer.echo(f'try: curl {url}/models -H "Authorization: Bearer <api key>"')
 
@@ -208,11 +202,34 @@ def _report_startup(
         time.sleep(0.1)
 
 
+def _listen(settings: GatewaySettings, command: str) -> socket.socket:
+    """The gateway's socket, bound before anything loads: a port in use is one line at
+    once, not a traceback after the model has loaded."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        typer.echo(
+            f"sluice {command}: cannot listen on {settings.host}:{settings.port}: "
+            f"{exc.strerror or exc}; stop what holds it or pick another port "
+            "(--port, $SLUICE_PORT)",
+            err=True,
+        )
+        raise typer.Exit(1) from exc
+    return sock
+
+
 def _uvicorn(
-    app: Any, settings: GatewaySettings, watch: Callable[[Any], None] | None = None
+    app: Any,
+    settings: GatewaySettings,
+    sock: socket.socket,
+    watch: Callable[[Any], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then return (so the caller can drain and exit 0).
-    `watch(server)` runs on a thread of its own meanwhile.
+    """Serve on `sock` until SIGTERM/SIGINT, then return (so the caller can drain and exit
+    0). `watch(server)` runs on a thread of its own meanwhile.
 
     uvicorn's own handlers re-raise the signal after shutdown, which would kill the
     process before the engine worker drains; ours only ask the server to exit.
@@ -229,7 +246,7 @@ def _uvicorn(
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    server.run()
+    server.run(sockets=[sock])
 
 
 def serve(
@@ -252,6 +269,7 @@ def serve(
     worker_settings = settings_or_exit(
         EngineWorkerSettings, backend=backend, **_upstream(upstream_url), **overrides
     )
+    sock = _listen(settings, "serve")
     secure_data_dir(settings)  # before a model download creates it with the umask's mode
     switch_metrics(settings)
     gateway = _keys(api_key, settings)
@@ -290,7 +308,7 @@ def serve(
     )
     wiring.freeze_heap()
     try:
-        _uvicorn(app, gateway, watch)
+        _uvicorn(app, gateway, sock, watch)
     finally:
         batches.stop()
         worker.drain(worker_settings.drain_timeout_s)
@@ -306,6 +324,9 @@ def gateway(
     dtype: Dtype = None,
     data_dir: DataDir = None,
     api_key: ApiKey = None,
+    announce: Annotated[
+        bool, typer.Option(hidden=True, help="Print the URL and key (`up` says them itself).")
+    ] = True,
 ) -> None:
     """Run the HTTP gateway on Kafka (distributed mode)."""
     from sluice import wiring
@@ -313,6 +334,7 @@ def gateway(
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
+    sock = _listen(settings, "gateway")
     secure_data_dir(settings)  # its tenants are the data dir's without SLUICE_DATABASE_URL
     switch_metrics(settings)
     configure_process_tracing("sluice-gateway")
@@ -324,10 +346,11 @@ def gateway(
     served = wiring.served_model(settings)
     batches = wiring.gateway_batches(settings, bus, [served], admission)
     app = wiring.build_gateway_app(settings, bus, served, admission, batches=batches)
-    _announce(settings, settings.model_name, "gateway", admission.auth.db)
+    if announce:
+        _announce(settings, settings.model_name, "gateway", admission.auth.db)
     wiring.freeze_heap()
     try:
-        _uvicorn(app, settings)
+        _uvicorn(app, settings, sock)
     finally:
         wiring.stop_batches(batches)
         bus.close()
@@ -568,10 +591,16 @@ def up(
         model=model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
     )
     # the keys go in the gateway's environment: a command line is readable in `ps`
-    gateway_flags = [*model_flags, *_flags(host=settings.host, port=settings.port)]
+    gateway_flags = [*model_flags, *_flags(host=settings.host, port=settings.port), "--no-announce"]
     gateway_env = {"SLUICE_API_KEYS": ",".join(settings.api_keys)}
-    with _data_dir_store(settings) as tenant_db:
-        _announce(settings, settings.model_name, f"up ({engine_workers} engine workers)", tenant_db)
+    _migrate_data_dir_store(settings)
+    mode = f"up ({engine_workers} engine worker{'s' if engine_workers != 1 else ''})"
+    typer.echo(f"sluice {mode}: starting; the URL and key follow once it answers", err=True)
+
+    def announce() -> None:
+        with _tenant_store(settings) as tenant_db:
+            _announce(settings, settings.model_name, mode, tenant_db)
+
     code = run_up(
         gateway_flags,
         model_flags,
@@ -584,23 +613,31 @@ def up(
         metrics_targets=settings.data_dir.expanduser() / METRICS_TARGETS_FILE,
         gateway_address=f"{_local(settings.host)}:{settings.port}",
         engine_drain_timeout_s=settings_or_exit(EngineWorkerSettings).drain_timeout_s,
+        on_ready=announce,
     )
     raise typer.Exit(code)
 
 
-@contextlib.contextmanager
-def _data_dir_store(settings: Settings) -> Iterator[Database | None]:
+def _migrate_data_dir_store(settings: Settings) -> None:
     """`up` without SLUICE_DATABASE_URL: the data dir's SQLite, whose tenants the gateway
     admits against and whose ledger the billing worker writes (`wiring.open_tenancy`,
-    `wiring.billing_store`); migrated here, once, before the two open it at the same time.
-    None with SLUICE_DATABASE_URL (`sluice migrate` is its migration step)."""
+    `wiring.billing_store`), migrated here, once, before the two open it at the same time.
+    With SLUICE_DATABASE_URL, `sluice migrate` is the migration step."""
     if settings.database_url is not None:
-        yield None
         return
     from billing.db import Database, embedded_url
 
     secure_data_dir(settings)  # before SQLite creates it with the umask's mode
-    db = Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True)
+    Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True).close()
+
+
+@contextlib.contextmanager
+def _tenant_store(settings: Settings) -> Iterator[Database]:
+    """The store whose tenants the gateway admits against: SLUICE_DATABASE_URL's, else
+    the data dir's SQLite (both migrated by now)."""
+    from billing.db import Database, embedded_url
+
+    db = Database.connect(settings.database_url or embedded_url(settings.data_dir))
     try:
         yield db
     finally:

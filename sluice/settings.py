@@ -25,6 +25,11 @@ ENV_PREFIX = "SLUICE_"
 _ENGINE = EngineOptions()  # the engine's runtime defaults
 
 
+def _server_root(url: str) -> str:
+    """`url` without a trailing slash or `/v1`: the upstream backend adds the paths."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 class SettingsError(Exception):
     """Configuration is invalid; `str()` is one line per problem, each with its fix."""
 
@@ -193,8 +198,8 @@ class ModelSettings(_Base):
     upstream_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="the upstream backend's engine servers (vLLM, trtllm-serve, SGLang,"
-        " llama.cpp, sluice serve), base URLs without /v1, comma-separated; each worker"
-        " sends a request to the least loaded healthy one",
+        " sluice serve), their URLs (a trailing /v1 is dropped), comma-separated; each"
+        " worker sends a request to the least loaded healthy one",
     )
     upstream_api_key: str | None = Field(
         default=None, description="the bearer key the upstream servers accept, if any"
@@ -213,15 +218,18 @@ class ModelSettings(_Base):
     upstream_health_path: str = Field(
         default="/health",
         pattern=r"^/",
-        description="what answers 200 once an upstream can serve: /health on vLLM, SGLang,"
-        " trtllm-serve and llama.cpp; /readyz on sluice serve",
+        description="what answers 200 once an upstream can serve: /health on vLLM, SGLang"
+        " and trtllm-serve; /readyz on sluice serve",
     )
 
     @field_validator("upstream_urls", mode="before")
     @classmethod
     def _upstream_urls(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return [u.strip() for u in value.split(",") if u.strip()]
+            value = [u.strip() for u in value.split(",") if u.strip()]
+        if isinstance(value, list):
+            # an OpenAI base URL (…/v1), as clients are configured, names the same server
+            value = [_server_root(u) if isinstance(u, str) else u for u in value]
         return value
 
     torch_threads: int | None = Field(

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +173,45 @@ def assign_metrics_ports(children: Sequence[Child], gateway_address: str, target
     logger.info("metrics targets of %d processes in %s", len(entries), targets)
 
 
+def readiness_urls(children: Sequence[Child], gateway_address: str) -> list[list[str]]:
+    """What `up` polls before it says it serves: the gateway's /readyz, and any one engine
+    worker's /readyz on its metrics port (which `assign_metrics_ports` gave it)."""
+    engines = [
+        f"http://127.0.0.1:{child.env['SLUICE_METRICS_PORT']}/readyz"
+        for child in children
+        if child.stage == ENGINE and "SLUICE_METRICS_PORT" in child.env
+    ]
+    return [[f"http://{gateway_address}/readyz"], *([engines] if engines else [])]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:  # refused, or an HTTPError (503 while it loads)
+        return False
+
+
+def call_when_ready(
+    groups: Sequence[Sequence[str]],
+    then: Callable[[], None],
+    stopped: threading.Event,
+    poll_s: float = 0.5,
+) -> threading.Thread:
+    """Call `then` (on a thread of its own) once, for each group, one of its URLs answers
+    200; never if `stopped` is set first."""
+
+    def watch() -> None:
+        while not stopped.wait(poll_s):
+            if all(any(_answers(url) for url in group) for group in groups):
+                then()
+                return
+
+    thread = threading.Thread(target=watch, name="sluice-up-ready", daemon=True)
+    thread.start()
+    return thread
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -205,6 +245,7 @@ def run_up(
     metrics_targets: Path | None = None,
     gateway_address: str | None = None,
     engine_drain_timeout_s: float = 30.0,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
     """Run the stack until Ctrl-C/SIGTERM; returns the exit code.
 
@@ -214,7 +255,8 @@ def run_up(
     `metrics_targets`: where to write the Prometheus targets of every child
     (`assign_metrics_ports`), `gateway_address` (host:port) being the gateway's.
     `engine_drain_timeout_s`: the engine workers' drain timeout, which their stop timeout
-    (SIGKILL past it) exceeds.
+    (SIGKILL past it) exceeds. `on_ready`: called once the gateway and an engine worker
+    are ready (their /readyz), so a request would be answered.
     """
     env = dict(os.environ)
     broker: TansuBroker | None = None
@@ -246,6 +288,9 @@ def run_up(
     if metrics_targets is not None and gateway_address is not None:
         assign_metrics_ports(children, gateway_address, metrics_targets)
     supervisor = Supervisor(children, env, restart=restart)
+    stopped = threading.Event()
+    if on_ready is not None and gateway_address is not None:
+        call_when_ready(readiness_urls(children, gateway_address), on_ready, stopped)
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         supervisor.stop()
@@ -255,6 +300,7 @@ def run_up(
     try:
         return supervisor.run()
     finally:
+        stopped.set()
         if broker is not None:
             started = time.monotonic()
             code = broker.stop()

@@ -55,6 +55,7 @@ def up_gateway_args(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> tuple[li
 
     def record(gateway_args: Sequence[str], *args: Any, **kwargs: Any) -> int:
         started.append(gateway_args)
+        kwargs["on_ready"]()  # what the children's /readyz answering 200 triggers
         return 0
 
     monkeypatch.setattr(sluice.up, "run_up", record)
