@@ -2,7 +2,7 @@
 
 kubectl does not talk to a cluster here: the overlays are rendered by the small renderer
 in kustomize.py (checked against `kubectl kustomize` where kubectl is installed), each
-Kubernetes object is validated against the Kubernetes v1.32 schemas kept in
+Kubernetes object is validated against the Kubernetes v1.37 schemas kept in
 deploy/schemas/ (unknown fields rejected, as `kubectl apply --validate=strict` does), the
 ScaledObject against KEDA v2.20.2's CRD schema, each container's command line against the
 `sluice` CLI and each SLUICE_* variable against the settings of its process.
@@ -55,7 +55,7 @@ def overlay(request: pytest.FixtureRequest) -> list[Manifest]:
 
 def _kubernetes_validators() -> dict[tuple[str, str], Any]:
     """(apiVersion, kind) → a validator of that object, from the kept definitions."""
-    schema = json.loads((SCHEMAS / "kubernetes-v1.32-strict.json").read_text())
+    schema = json.loads((SCHEMAS / "kubernetes-v1.37-strict.json").read_text())
     found = {}
     for name in schema["x-roots"]:
         (gvk,) = schema["$defs"][name]["x-kubernetes-group-version-kind"]
