@@ -1,7 +1,9 @@
 """Usage reports from the ledger: totals by model and by day, per tenant or for all.
 
-Formats: a rich table, CSV (one row per total/model/day), JSON and a PNG chart of
-tokens and cost per day (matplotlib's Agg canvas, no display, no global pyplot state).
+Formats: a rich table, CSV (one row per total/model/day), JSON and a PNG report for a
+slide: tokens per day by tenant (by prompt and completion for one tenant) over cost per
+day and its running total, on a date axis that reads at any range (matplotlib's Agg
+canvas, no display, no global pyplot state).
 Costs are exact: summed in pico-dollars, shown in USD as decimal strings (never floats).
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from billing.db import Database
-from billing.models import UsageEntry
+from billing.models import Tenant, UsageEntry
 from billing.prices import picos_to_usd
 
 _SUMS = (
@@ -78,6 +80,8 @@ class Report:
     totals: Totals
     by_model: list[tuple[str, Totals]] = field(default_factory=list)
     by_day: list[tuple[dt.date, Totals]] = field(default_factory=list)
+    # (day, tenant name, totals): a report over every tenant, for the chart
+    by_day_tenant: list[tuple[dt.date, str, Totals]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -122,8 +126,19 @@ def usage_report(
                 .group_by(UsageEntry.usage_day).order_by(UsageEntry.usage_day)
             )
         ]  # fmt: skip
+        by_day_tenant = []
+        if tenant_id is None:
+            name = sa.func.coalesce(Tenant.name, UsageEntry.tenant_id)
+            by_day_tenant = [
+                (_as_date(row[0]), str(row[1]), Totals(*(int(v) for v in row[2:])))
+                for row in session.execute(
+                    sa.select(UsageEntry.usage_day, name, *_SUMS)
+                    .outerjoin(Tenant, Tenant.id == UsageEntry.tenant_id).where(*where)
+                    .group_by(UsageEntry.usage_day, name).order_by(UsageEntry.usage_day, name)
+                )
+            ]  # fmt: skip
     totals = sum((t for _, t in by_model), Totals())
-    return Report(tenant_label or tenant_id, since, until, totals, by_model, by_day)
+    return Report(tenant_label or tenant_id, since, until, totals, by_model, by_day, by_day_tenant)
 
 
 def _as_date(value: Any) -> dt.date:
@@ -173,30 +188,108 @@ def render_table(report: Report, width: int = 120) -> str:
     return console.export_text()
 
 
+# the tenants a chart names one by one; the rest are summed as "other tenants"
+CHART_TENANTS = 8
+_PALETTE = ("#4C72B0", "#55A868", "#C44E52", "#8172B2", "#CCB974", "#64B5CD", "#DD8452",
+            "#937860", "#A0A0A0")  # fmt: skip
+
+
+def _tenant_series(report: Report) -> list[tuple[str, dict[dt.date, int]]]:
+    """Tokens per day of the tenants with the most tokens, the others summed last."""
+    per: dict[str, dict[dt.date, int]] = {}
+    for day, name, t in report.by_day_tenant:
+        per.setdefault(name, {})[day] = t.prompt_tokens + t.completion_tokens
+    ranked = sorted(per, key=lambda n: -sum(per[n].values()))
+    series = [(name, per[name]) for name in ranked[:CHART_TENANTS]]
+    if rest := ranked[CHART_TENANTS:]:
+        other: dict[dt.date, int] = {}
+        for name in rest:
+            for day, tokens in per[name].items():
+                other[day] = other.get(day, 0) + tokens
+        series.append((f"{len(rest)} other tenants", other))
+    return series
+
+
 def render_png(report: Report, path: Path) -> None:
-    """Bars: prompt and completion tokens per day; line: cost per day (USD)."""
+    """A 1600x900 report: tokens per day stacked by tenant (or, for one tenant, by prompt
+    and completion) above cost per day and its running total; totals in the title."""
+    import matplotlib.dates as mdates
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
-    days = [d.isoformat() for d, _ in report.by_day]
-    prompt = [t.prompt_tokens for _, t in report.by_day]
-    completion = [t.completion_tokens for _, t in report.by_day]
-    cost = [float(t.cost_usd) for _, t in report.by_day]  # plotting only, never stored
-    figure = Figure(figsize=(max(6.0, 0.6 * len(days) + 3), 4.5), dpi=100)
+    figure = Figure(figsize=(12.8, 7.2), dpi=125)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    positions = list(range(len(days)))
-    axes.bar(positions, prompt, label="prompt tokens", color="#4C72B0")
-    axes.bar(positions, completion, bottom=prompt, label="completion tokens", color="#55A868")
-    axes.set_xticks(positions, days, rotation=45, ha="right")
-    axes.set_ylabel("tokens")
-    cost_axes = axes.twinx()
-    cost_axes.plot(positions, cost, color="#C44E52", marker="o", label="cost (USD)")
-    cost_axes.set_ylabel("cost (USD)")
+    tokens_axes, cost_axes = figure.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    days = [d for d, _ in report.by_day]
+    x = [dt.datetime.combine(d, dt.time()) for d in days]  # a date axis, bars a day wide
+    if report.tenant is None and report.by_day_tenant:
+        layers = [(name, [per.get(d, 0) for d in days]) for name, per in _tenant_series(report)]
+    else:
+        layers = [
+            ("prompt tokens", [t.prompt_tokens for _, t in report.by_day]),
+            ("completion tokens", [t.completion_tokens for _, t in report.by_day]),
+        ]
+    bottom = [0] * len(days)
+    for (label, values), color in zip(layers, _PALETTE, strict=False):
+        tokens_axes.bar(x, values, width=0.8, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    tokens_axes.set_ylabel("tokens per day")
+    tokens_axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short(v)))
+    tokens_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    cost = [float(t.cost_usd) for _, t in report.by_day]  # plotting only, never stored
+    running = [sum(cost[: i + 1]) for i in range(len(cost))]
+    cost_axes.bar(x, cost, width=0.8, color="#C44E52", label="cost per day")
+    cost_axes.set_ylabel("USD per day")
     cost_axes.set_ylim(bottom=0)
-    axes.set_title(f"Tokens and cost per day: {report.tenant or 'all tenants'}")
-    handles = axes.get_legend_handles_labels()[0] + cost_axes.get_legend_handles_labels()[0]
-    axes.legend(handles=handles, loc="upper left")
+    total_axes = cost_axes.twinx()
+    total_axes.plot(x, running, color="#333333", marker="." if len(days) < 60 else None,
+                    label="running total")  # fmt: skip
+    total_axes.set_ylabel("USD, running total")
+    total_axes.set_ylim(bottom=0)
+    handles = cost_axes.get_legend_handles_labels()[0] + total_axes.get_legend_handles_labels()[0]
+    cost_axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.08, 1.0), frameon=False)
+    locator = mdates.AutoDateLocator(minticks=3, maxticks=12)  # type: ignore[no-untyped-call]
+    cost_axes.xaxis.set_major_locator(locator)
+    formatter = mdates.ConciseDateFormatter(locator)  # type: ignore[no-untyped-call]
+    cost_axes.xaxis.set_major_formatter(formatter)
+    if x:  # a few days of margin: one day is a bar, not the whole width
+        margin = dt.timedelta(days=3)
+        cost_axes.set_xlim(x[0] - margin, x[-1] + margin)
+    for axes in (tokens_axes, cost_axes):
+        axes.grid(axis="y", alpha=0.3)
+        axes.set_axisbelow(True)
+        axes.spines[["top"]].set_visible(False)
+    t = report.totals
+    first, last = (
+        report.since or (days[0] if days else None),
+        report.until or (days[-1] if days else None),
+    )
+    span = f"{first or 'start'} to {last or 'now'}"
+    figure.suptitle(
+        f"Usage: {report.tenant or 'all tenants'}, {span}\n"
+        f"{t.requests:,} request{'s' if t.requests != 1 else ''} · {_short(t.prompt_tokens)}"
+        f" prompt and {_short(t.completion_tokens)} completion tokens · USD {_usd(t.cost_usd)}",
+        fontsize=13,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(str(path), format="png")
+
+
+def _usd(value: Decimal) -> str:
+    """Cents from a dollar up, else 3 significant digits: a slide's figure (the exact
+    amount is in the other formats)."""
+    if value >= 1:
+        return f"{value:,.2f}"
+    return format_usd(Decimal(f"{value:.3g}")) if value else "0.00"
+
+
+def _short(value: float) -> str:
+    """1234567 -> 1.2M: axis labels and titles a person reads at a glance."""
+    for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.0f}"

@@ -91,3 +91,30 @@ def test_formats(db: Database, tmp_path: Path) -> None:
     png = tmp_path / "chart.png"
     render_png(report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_chart_breaks_days_down_by_tenant_and_reads_at_any_range(
+    db: Database, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    set_prices(db)
+    tenants = tuple(f"ten_{i:02}" for i in range(11))  # more than the chart names
+    UsageLedger(db).record(make_usages(400, tenants=tenants, days=90))
+    everyone = usage_report(db, tenant_id=None)
+    per_day: dict[dt.date, int] = defaultdict(int)
+    for day, _, totals in everyone.by_day_tenant:
+        per_day[day] += totals.prompt_tokens + totals.completion_tokens
+    assert per_day == {d: t.prompt_tokens + t.completion_tokens for d, t in everyone.by_day}
+    assert {name for _, name, _ in everyone.by_day_tenant} == set(tenants)
+    one_day = everyone.by_day[0][0]
+    for name, report in (
+        ("90-days.png", everyone),
+        ("one-day.png", usage_report(db, tenant_id=None, since=one_day, until=one_day)),
+        ("tenant.png", usage_report(db, tenant_id="ten_03", tenant_label="acme")),
+        ("empty.png", usage_report(db, tenant_id="ten_nobody")),
+    ):
+        png = tmp_path / name
+        render_png(report, png)
+        with Image.open(png) as image:
+            assert image.size == (1600, 900), name
