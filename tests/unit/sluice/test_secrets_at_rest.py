@@ -69,6 +69,8 @@ def test_up_gives_the_gateway_its_key_in_the_environment_never_on_a_command_line
     monkeypatch.setenv("SLUICE_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("SLUICE_API_KEYS", raising=False)
     monkeypatch.setattr(up_module, "Supervisor", RecordingSupervisor)
+    # as if the gateway and an engine worker answered /readyz at once
+    monkeypatch.setattr(up_module, "call_when_ready", lambda groups, then, stopped: then())
     RecordingSupervisor.seen.clear()
     with caplog.at_level(logging.DEBUG):
         result = runner.invoke(app, ["up", "--api-key", KEY])
@@ -83,6 +85,7 @@ def test_up_gives_the_gateway_its_key_in_the_environment_never_on_a_command_line
     assert all("SLUICE_API_KEYS" not in child.env for child in supervisor.children[1:])
     assert KEY not in caplog.text
     assert result.stdout.count(KEY) == 1  # told once to the person who started it
+    assert "--no-announce" in gateway.argv  # by `up`, not by its gateway child too
 
 
 def test_a_child_starts_with_its_own_variables_and_its_log_line_has_no_secret(
