@@ -170,7 +170,11 @@ class ModelSettings(_Base):
         description="'think': the model reasons in a <think>...</think> block first,"
         " returned as reasoning_content (chat) or a reasoning item (responses)",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16,"
+        " AMX), float32 on other CPUs; float32 is the exact reference path",
+    )
     max_model_len: int = Field(default=2048, ge=16, description="prompt + output tokens")
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     kv_cache_mb: float = Field(default=256.0, gt=0)

@@ -116,10 +116,18 @@ def resolve_device(settings: ModelSettings) -> str:
 
 
 def resolve_dtype(settings: ModelSettings, device: str) -> str:
-    """auto: bfloat16 on CUDA, float32 on CPU (exact, and not slower on CPUs without bf16)."""
+    """auto: bfloat16 on CUDA and on CPUs that multiply bf16 in hardware (AVX512-BF16,
+    AMX), whose decode is bound by reading the weights: half the bytes of float32. Other
+    CPUs keep float32: they emulate bf16 matmuls, slower than float32 runs."""
     if settings.dtype != "auto":
         return settings.dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    import torch
+
+    from engine.models.cpu_linear import native_low_precision
+
+    return "bfloat16" if native_low_precision(torch.bfloat16) else "float32"
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # a checkpoint's weight files
