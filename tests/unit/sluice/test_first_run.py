@@ -147,3 +147,17 @@ def test_up_never_announces_once_it_stopped(readiness: tuple[str, threading.Even
     watcher.join(10)
     ready.set()
     assert not announced.is_set()
+
+
+@pytest.mark.parametrize(("native", "picked"), [(True, "bfloat16"), (False, "float32")])
+def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(
+    monkeypatch: pytest.MonkeyPatch, native: bool, picked: str
+) -> None:
+    from engine.models import cpu_linear
+    from sluice import wiring
+
+    monkeypatch.setattr(cpu_linear, "native_low_precision", lambda dtype: native)
+    settings = EngineWorkerSettings(dtype="auto")
+    assert wiring.resolve_dtype(settings, "cpu") == picked
+    assert wiring.resolve_dtype(settings, "cuda:0") == "bfloat16"
+    assert wiring.resolve_dtype(EngineWorkerSettings(dtype="float32"), "cuda") == "float32"
