@@ -33,16 +33,17 @@ COPY engine engine
 COPY billing billing
 COPY tracing tracing
 COPY sluice sluice
+COPY storage storage
 COPY benchmarks benchmarks
 COPY migrations migrations
-# editable on purpose: `sluice migrate` finds the Alembic scripts beside the packages
-# (billing/db.py: <repo>/migrations), which a wheel install would leave behind
+# editable on purpose: `sluice bench` loads benchmarks/ from the source tree, which the
+# wheel leaves out
 RUN pip install --no-deps -e . \
     && find /app -name __pycache__ -prune -exec rm -rf {} +
 # Build the CPU decode kernels (AVX2+FMA, no -march=native: they run on any such CPU)
 # into a cache the runtime reads; a builder without AVX2 skips them (one warning) and
 # the engine keeps its torch path.
-RUN python -c "from pathlib import Path; from engine.kernels import load_cpu_ops; \
+RUN python -c "from pathlib import Path; from sluice.engine.kernels import load_cpu_ops; \
 load_cpu_ops(Path('/opt/sluice/kernels'))" \
     && mkdir -p /opt/sluice/kernels
 

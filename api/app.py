@@ -14,23 +14,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.auth import Authenticator, StaticKeyAuthenticator
-from api.deps import Gateway
-from api.errors import install_error_handlers
-from api.middleware import GatewayMiddleware
-from api.openapi import install_docs, install_openapi
-from api.prepare import RequestLimits
-from api.routes import admin, chat, completions, dashboard, files, health, responses, usage
-from api.routes import batches as batch_routes
-from api.routes import metrics as metrics_routes
-from api.routes import models as model_routes
-from api.routes.batches import BatchControl
-from api.served import ModelCatalog, ServedModel
-from api.server_span import ServerSpanMiddleware
-from api.service import GatewayService
-from api.tenancy import GatewayAdmission, TenantAuthenticator
-from billing.admission import AdmissionService
-from bus.base import EventBus
+from sluice.api.auth import Authenticator, StaticKeyAuthenticator
+from sluice.api.deps import Gateway
+from sluice.api.errors import install_error_handlers
+from sluice.api.middleware import GatewayMiddleware
+from sluice.api.openapi import install_docs, install_openapi
+from sluice.api.prepare import RequestLimits
+from sluice.api.routes import admin, chat, completions, dashboard, files, health, responses, usage
+from sluice.api.routes import batches as batch_routes
+from sluice.api.routes import metrics as metrics_routes
+from sluice.api.routes import models as model_routes
+from sluice.api.routes.batches import BatchControl
+from sluice.api.served import ModelCatalog, ServedModel
+from sluice.api.server_span import ServerSpanMiddleware
+from sluice.api.service import GatewayService
+from sluice.api.tenancy import GatewayAdmission, TenantAuthenticator
+from sluice.billing.admission import AdmissionService
+from sluice.bus.base import EventBus
 from sluice.settings import GatewaySettings
 
 

@@ -15,8 +15,8 @@ from typing import Protocol
 from fastapi import Request
 from starlette.requests import HTTPConnection
 
-from api.errors import AuthenticationFailed
-from billing.keys import Principal as Principal  # the one Principal, re-exported
+from sluice.api.errors import AuthenticationFailed
+from sluice.storage.keys import Principal as Principal  # the one Principal, re-exported
 
 DEFAULT_TENANT = "default"
 

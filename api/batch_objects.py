@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from billing.batch_store import BatchInfo, FileInfo
+from sluice.storage.batches import BatchInfo, FileInfo
 
 Object = dict[str, Any]
 

@@ -30,7 +30,7 @@ import httpx
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.topics import Lane, request_topic
+from sluice.bus.topics import Lane, request_topic
 
 logger = logging.getLogger(__name__)
 

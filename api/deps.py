@@ -11,15 +11,15 @@ from typing import Any, TypeVar
 
 from starlette.requests import HTTPConnection, Request
 
-from api.auth import Principal, require_principal
-from api.errors import EngineNotReady, InvalidRequest, RateLimited
-from api.generation import Generation
-from api.prepare import Call, RequestLimits, build_call, deadline_ms_for
-from api.served import ModelCatalog, ServedModel
-from api.service import GatewayService
-from api.tenancy import GatewayAdmission
-from bus.messages import GenerateRequest, SamplingSpec
-from tracing.metrics import count_admission
+from sluice.api.auth import Principal, require_principal
+from sluice.api.errors import EngineNotReady, InvalidRequest, RateLimited
+from sluice.api.generation import Generation
+from sluice.api.prepare import Call, RequestLimits, build_call, deadline_ms_for
+from sluice.api.served import ModelCatalog, ServedModel
+from sluice.api.service import GatewayService
+from sluice.api.tenancy import GatewayAdmission
+from sluice.bus.messages import GenerateRequest, SamplingSpec
+from sluice.tracing.metrics import count_admission
 
 
 class RequestRateGate:

@@ -29,7 +29,7 @@ APIError                         root; carries status, type, code, param, header
 an exhausted monthly budget does not, so it has no `retry-after` and
 `x-should-retry: false` stops the SDK's retries. A call larger than a limit allows at all
 is a 400: no wait would let it in.
-`billing.errors` map here too: InvalidInput 400, NotFound 404, Conflict 409,
+`storage.errors` map here too: InvalidInput 400, NotFound 404, Conflict 409,
 AuthenticationFailed 401, StoreUnavailable 503.
 
 A deadline is the caller's own budget (`x-sluice-timeout-ms` or the gateway default), so
@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from billing import errors as billing_errors
+from sluice.storage import errors as store_errors
 
 logger = logging.getLogger(__name__)
 
@@ -241,16 +241,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
-def from_billing(exc: billing_errors.BillingError) -> APIError:
+def from_billing(exc: store_errors.StoreError) -> APIError:
     """A billing error as the HTTP error it means for the caller."""
     message = str(exc)
-    if isinstance(exc, billing_errors.NotFound):
+    if isinstance(exc, store_errors.NotFound):
         return NotFound(message, code="not_found")
-    if isinstance(exc, billing_errors.Conflict):
+    if isinstance(exc, store_errors.Conflict):
         return Conflict(message)
-    if isinstance(exc, billing_errors.InvalidInput):
+    if isinstance(exc, store_errors.InvalidInput):
         return InvalidRequest(message, code="invalid_value")
-    if isinstance(exc, billing_errors.AuthenticationFailed):
+    if isinstance(exc, store_errors.AuthenticationFailed):
         return AuthenticationFailed("incorrect API key provided")
     return ServiceUnavailable(
         "the tenant store is unavailable; retry shortly", code="store_unavailable"
@@ -283,7 +283,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err, _request_id(request))
 
     async def on_billing(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, billing_errors.BillingError)
+        assert isinstance(exc, store_errors.StoreError)
         return error_response(from_billing(exc), _request_id(request))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -291,7 +291,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError("internal server error"), _request_id(request))
 
     app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(billing_errors.BillingError, on_billing)
+    app.add_exception_handler(store_errors.StoreError, on_billing)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

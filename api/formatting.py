@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from api.generation import ChoiceResult, Generation
-from api.output import OutputPlan, Piece, read_whole, reasoning_tokens
-from api.served import Tokenizer
-from bus.messages import PromptLogprob, TokenLogprob
+from sluice.api.generation import ChoiceResult, Generation
+from sluice.api.output import OutputPlan, Piece, read_whole, reasoning_tokens
+from sluice.api.served import Tokenizer
+from sluice.bus.messages import PromptLogprob, TokenLogprob
 
 # finish reasons the OpenAI schema knows; the others end in an error before this point
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus.messages import FinishReason, PromptLogprob, TokenDelta, TokenLogprob
+from sluice.bus.messages import FinishReason, PromptLogprob, TokenDelta, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

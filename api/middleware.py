@@ -15,8 +15,8 @@ from collections import deque
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import RequestTooLarge, error_response
-from api.tenancy import RATELIMIT_STATE
+from sluice.api.errors import RequestTooLarge, error_response
+from sluice.api.tenancy import RATELIMIT_STATE
 
 UPLOAD_PATH = "/v1/files"
 

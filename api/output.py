@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.reasoning import ReasoningParser, template_opens_think
-from api.served import ServedModel
-from api.tool_parsers import CallDelta, ToolCall, ToolCallParser
-from api.tools import ToolPlan
+from sluice.api.reasoning import ReasoningParser, template_opens_think
+from sluice.api.served import ServedModel
+from sluice.api.tool_parsers import CallDelta, ToolCall, ToolCallParser
+from sluice.api.tools import ToolPlan
 
 
 @dataclass(frozen=True, slots=True)

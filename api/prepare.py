@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from api.auth import Principal
-from api.errors import ContextLengthExceeded, InvalidRequest
-from api.served import ServedModel
-from bus.messages import GenerateRequest, SamplingSpec
-from bus.topics import Lane
+from sluice.api.auth import Principal
+from sluice.api.errors import ContextLengthExceeded, InvalidRequest
+from sluice.api.served import ServedModel
+from sluice.bus.messages import GenerateRequest, SamplingSpec
+from sluice.bus.topics import Lane
 
 TIMEOUT_HEADER = "x-sluice-timeout-ms"
 
@@ -38,7 +38,7 @@ _TIERS: dict[str | None, tuple[Lane, str]] = {
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """The gateway's limits on one request (from `GatewaySettings`); a tenant's plan limits
-    are `billing.tenants.PlanLimits`."""
+    are `storage.tenants.PlanLimits`."""
 
     request_timeout_s: float = 600.0
     max_n: int = 8

@@ -19,12 +19,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.errors import APIError, InvalidRequest, error_for_finish
-from api.generation import ChoiceResult, Generation
-from api.output import ChoiceReader, OutputPlan, Piece
-from api.schemas import ResponsesRequest
-from api.served import Tokenizer
-from api.streaming import pump
+from sluice.api.errors import APIError, InvalidRequest, error_for_finish
+from sluice.api.generation import ChoiceResult, Generation
+from sluice.api.output import ChoiceReader, OutputPlan, Piece
+from sluice.api.schemas import ResponsesRequest
+from sluice.api.served import Tokenizer
+from sluice.api.streaming import pump
 
 
 def text_format_type(text: dict[str, Any] | None) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.errors import ModelNotFound
+from sluice.api.errors import ModelNotFound
 
 
 class Tokenizer(Protocol):

@@ -23,12 +23,12 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.span_content import ContentCapture
-from bus.messages import GenerateRequest
-from tracing import spans as names
+from sluice.api.span_content import ContentCapture
+from sluice.bus.messages import GenerateRequest
+from sluice.tracing import spans as names
 
 if TYPE_CHECKING:
-    from api.generation import Generation
+    from sluice.api.generation import Generation
 
 logger = logging.getLogger(__name__)
 

@@ -25,17 +25,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from api.errors import ServiceUnavailable
-from api.generation import Generation, Track, accept
-from api.server_span import note_generation
-from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
-from bus.codec import decode_as, encode
-from bus.errors import BusError
-from bus.messages import Cancel, GenerateRequest, Heartbeat, TokenDelta, TokenDeltaBatch
-from bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC, reply_topic, request_topic
-from tracing.metrics import time_publish
-from tracing.propagation import inject_headers
-from tracing.spans import SendSpan
+from sluice.api.errors import ServiceUnavailable
+from sluice.api.generation import Generation, Track, accept
+from sluice.api.server_span import note_generation
+from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.errors import BusError
+from sluice.bus.messages import Cancel, GenerateRequest, Heartbeat, TokenDelta, TokenDeltaBatch
+from sluice.bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC, reply_topic, request_topic
+from sluice.tracing.metrics import time_publish
+from sluice.tracing.propagation import inject_headers
+from sluice.tracing.spans import SendSpan
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from api.errors import APIError, AuthenticationFailed, error_for_finish
-from api.generation import ChoiceResult, Generation, StreamEvent
-from api.schemas import invalid_unicode_at
+from sluice.api.errors import APIError, AuthenticationFailed, error_for_finish
+from sluice.api.generation import ChoiceResult, Generation, StreamEvent
+from sluice.api.schemas import invalid_unicode_at
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.errors import InvalidRequest
-from api.served import ServedModel
-from bus.messages import StructuredSpec
+from sluice.api.errors import InvalidRequest
+from sluice.api.served import ServedModel
+from sluice.bus.messages import StructuredSpec
 
 # vLLM's `structured_outputs` keys → StructuredSpec kinds
 _STRUCTURED_KEYS = {

@@ -38,8 +38,8 @@ from functools import partial
 
 from starlette.requests import HTTPConnection
 
-from api.auth import Principal, StaticKeyAuthenticator
-from api.errors import (
+from sluice.api.auth import Principal, StaticKeyAuthenticator
+from sluice.api.errors import (
     APIError,
     AuthenticationFailed,
     InvalidRequest,
@@ -48,14 +48,14 @@ from api.errors import (
     RateLimited,
     ServiceUnavailable,
 )
-from api.generation import Generation
-from api.service import GatewayService
-from billing import admin
-from billing import errors as billing_errors
-from billing.admission import AdmissionService
-from billing.quotas import Decision, unfit
-from bus.messages import GenerateRequest, TokenDelta
-from tracing.metrics import count_admission
+from sluice.api.generation import Generation
+from sluice.api.service import GatewayService
+from sluice.billing import admin
+from sluice.billing.admission import AdmissionService
+from sluice.bus.messages import GenerateRequest, TokenDelta
+from sluice.storage import errors as store_errors
+from sluice.storage.quotas import Decision, unfit
+from sluice.tracing.metrics import count_admission
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class TenantAuthenticator:
             )
         try:
             found = await asyncio.to_thread(self._admission.authenticate, api_key)
-        except billing_errors.AuthenticationFailed:
+        except store_errors.AuthenticationFailed:
             if self._static is not None and await self._store_empty():
                 return await self._static.authenticate(api_key)
             raise AuthenticationFailed("incorrect API key provided") from None
-        except billing_errors.StoreUnavailable as exc:
+        except store_errors.StoreUnavailable as exc:
             # the static keys stay valid through an outage if the store was empty when
             # last seen (a tenant created meanwhile takes over once it answers again)
             if self._static is not None and self._empty is not None and self._empty[1]:
@@ -110,7 +110,7 @@ class TenantAuthenticator:
             db = self._admission.auth.db
             try:
                 empty = not await asyncio.to_thread(admin.has_tenants, db)
-            except billing_errors.StoreUnavailable:
+            except store_errors.StoreUnavailable:
                 if self._empty is None:
                     raise
                 return self._empty[1]  # the last answer serves through an outage
@@ -230,7 +230,7 @@ class GatewayAdmission:
                 lane=request.lane,
                 batch=request.batch_id is not None,
             )
-        except billing_errors.StoreUnavailable as exc:  # e.g. no price cache and no database
+        except store_errors.StoreUnavailable as exc:  # e.g. no price cache and no database
             raise ServiceUnavailable(
                 "admission is unavailable; retry shortly", code="quota_store_unavailable"
             ) from exc
@@ -238,7 +238,7 @@ class GatewayAdmission:
     def _release(self, request: GenerateRequest) -> None:
         try:
             self.admission.release(request.tenant_id, request.request_id, request.attempt)
-        except billing_errors.BillingError as exc:
+        except store_errors.StoreError as exc:
             logger.warning("release failed request_id=%s: %s", request.request_id, exc)
 
     def settle(self, request: GenerateRequest, delta: TokenDelta) -> None:

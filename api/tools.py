@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from api.errors import InvalidRequest
-from bus.messages import StructuredSpec
+from sluice.api.errors import InvalidRequest
+from sluice.bus.messages import StructuredSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

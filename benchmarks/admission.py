@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import percentile
-from billing.admission import AdmissionService
-from billing.db import Database, embedded_url
-from billing.keys import KeyAuthenticator, KeyRepository
-from billing.prices import PriceBook, PriceCache
-from billing.quota_memory import MemoryQuotaStore
-from billing.quota_redis import RedisQuotaStore
-from billing.quotas import QuotaStore
-from billing.tenants import PlanLimits, TenantRepository
-from bus.messages import Usage
-from bus.topics import Lane
+from sluice.billing.admission import AdmissionService
+from sluice.bus.messages import Usage
+from sluice.bus.topics import Lane
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.keys import KeyAuthenticator, KeyRepository
+from sluice.storage.prices import PriceBook, PriceCache
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.quota_redis import RedisQuotaStore
+from sluice.storage.quotas import QuotaStore
+from sluice.storage.tenants import PlanLimits, TenantRepository
 
 TARGET_P99_MS = 3.0
 LIMITS = PlanLimits(rpm=10**7, tpm=10**9, max_concurrency=10**6, monthly_budget_micros=10**13)

@@ -41,7 +41,7 @@ import openai
 from benchmarks import serving_runs as runs
 from benchmarks.sluice_serve import serve
 from benchmarks.stats import percentile, ratio
-from bus.topics import Lane
+from sluice.bus.topics import Lane
 
 TARGETS = {
     "batch_vs_direct_throughput_min": 0.90,
@@ -98,9 +98,9 @@ def direct_engine(data_dir: Path) -> tuple[runs.DirectClient, Any, dict[str, Any
     This process is the peer's composition root: it applies the options' process-wide
     effects (torch threads, kernels, GIL switch interval) as `sluice serve` applies them.
     """
-    from engine.backends.torch_backend import apply_process_options
-    from engine.options import apply_switch_interval
     from sluice import wiring
+    from sluice.engine.backends.torch_backend import apply_process_options
+    from sluice.engine.options import apply_switch_interval
     from sluice.settings import EngineWorkerSettings, load_settings
 
     settings = load_settings(
@@ -124,7 +124,7 @@ def direct_engine(data_dir: Path) -> tuple[runs.DirectClient, Any, dict[str, Any
 
 def direct_specs(lines: list[dict[str, Any]], served: Any) -> list[runs.Spec]:
     """The lines' requests as the gateway builds them: the chat template's token ids."""
-    from api.prepare import render_chat
+    from sluice.api.prepare import render_chat
 
     return [
         runs.Spec(

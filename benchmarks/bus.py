@@ -15,11 +15,11 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.stats import percentile, ratio
-from bus.base import EventBus, TopicSpec
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.memory import MemoryEventBus
-from bus.tansu import TansuBroker
+from sluice.bus.base import EventBus, TopicSpec
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.memory import MemoryEventBus
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import TansuBroker
 
 
 def _consume(

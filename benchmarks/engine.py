@@ -36,14 +36,14 @@ from benchmarks import engine_peers as peers
 from benchmarks import vllm_peer
 from benchmarks.stats import run_figures
 from benchmarks.vllm_peer import PeerError, PeerSetup, VllmPeer, Workload
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.backends.torch_backend import apply_process_options
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, load_model, resolve_model_dir
-from engine.options import EngineOptions
-from engine.runner.model_runner import ModelRunner, compute_dtype, torch_dtype
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineDelta, EngineRequest
+from sluice.engine.backends.torch_backend import apply_process_options
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.loader import LoadedModel, load_model, resolve_model_dir
+from sluice.engine.options import EngineOptions
+from sluice.engine.runner.model_runner import ModelRunner, compute_dtype, torch_dtype
+from sluice.engine.sampling import SamplingParams
 
 BENCH_MODEL = {
     "hidden_size": 512,

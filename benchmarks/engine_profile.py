@@ -27,10 +27,10 @@ import torch
 
 from benchmarks import engine_peers as peers
 from benchmarks.engine import SluiceRun, apply_process_options, engine_options
-from engine.backends.base import EngineRequest
-from engine.loader import LoadedModel, load_model, resolve_model_dir
-from engine.runner import model_runner
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.loader import LoadedModel, load_model, resolve_model_dir
+from sluice.engine.runner import model_runner
+from sluice.engine.sampling import SamplingParams
 
 PROMPT_TOKENS = 64
 

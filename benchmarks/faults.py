@@ -38,10 +38,10 @@ import sqlalchemy as sa
 from benchmarks.faults_infra import API_KEY, Fleet, TcpProxy, busiest
 from benchmarks.faults_load import Load, Outcome, run_load, summarize
 from benchmarks.money import LedgerRow, Seen, Tally, client_visible
-from bus.codec import decode_as
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC
+from sluice.bus.codec import decode_as
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
 
 ADMIN_URL = os.environ.get("SLUICE_TEST_DATABASE_URL",
                            "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")  # fmt: skip

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
-from bus.tansu import free_port, tansu_binary, wait_for_port
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import free_port, tansu_binary, wait_for_port
 
 
 class TcpProxy:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine import kernels
+from sluice.engine import kernels
 
 MAX_RATIO = 4.0
 _BUSY = "import time\nt = time.time() + {s}\nwhile time.time() < t: pass\n"

@@ -34,7 +34,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from billing.prices import Price
+from sluice.storage.prices import Price
 
 MODEL = "tiny-llama"
 # Whole micro-dollars per million tokens, batch at half price: every cost is an exact

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 from benchmarks.money import PRICE, Tally
-from bus.codec import decode_as
-from bus.memory import MemoryEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC
 from sluice import wiring
 from sluice.bulk_files import OrderedWriter, Summary, read_input
 from sluice.bulk_run import default_window, embedded_engine, run_lines
+from sluice.bus.codec import decode_as
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
 from sluice.settings import EngineWorkerSettings, GatewaySettings, load_settings
 
 

@@ -48,7 +48,7 @@ import httpx
 
 from benchmarks.http_servers import Launch, Server, servers
 from benchmarks.stats import mean_ci95, percentile, ratio
-from bus.tansu import free_port
+from sluice.tansu import free_port
 
 TARGETS = {"added_ttft_p50_ms_max": 1.0, "throughput_on_vs_off_min": 0.97}
 API_KEY = "sk-bench-observability"

@@ -44,12 +44,12 @@ from benchmarks import serving_runs as runs
 from benchmarks.faults_infra import cpu_ticks
 from benchmarks.serving_procs import kafka_config
 from benchmarks.stats import percentile, ratio
-from bus.codec import decode_as
-from bus.kafka import KafkaEventBus
-from bus.messages import TelemetryRecord, Timings
-from bus.tansu import TansuBroker
-from bus.topics import TELEMETRY_TOPIC, Lane, TopicLayout, request_topic
+from sluice.bus.codec import decode_as
+from sluice.bus.kafka import KafkaEventBus
+from sluice.bus.messages import TelemetryRecord, Timings
+from sluice.bus.topics import TELEMETRY_TOPIC, Lane, TopicLayout, request_topic
 from sluice.settings import BusSettings, CommonSettings, load_settings
+from sluice.tansu import TansuBroker
 
 SIZES = (1, 2, 4)
 PARTITIONS = 8  # per lane topic: 1, 2 and 4 workers each hold the same share

@@ -31,11 +31,11 @@ from typing import Any
 from benchmarks import serving_procs as procs
 from benchmarks import serving_runs as runs
 from benchmarks.stats import ratio
-from bus.kafka import KafkaEventBus
-from bus.tansu import TansuBroker
-from bus.topics import TopicLayout
-from engine.cpus import CpuLayout, pin_process, plan_layout
+from sluice.bus.kafka import KafkaEventBus
+from sluice.bus.topics import TopicLayout
+from sluice.engine.cpus import CpuLayout, pin_process, plan_layout
 from sluice.settings import BusSettings, CommonSettings, load_settings
+from sluice.tansu import TansuBroker
 
 TARGETS = {
     "throughput_ratio_min": 0.90,
@@ -150,7 +150,7 @@ async def _gateway(bus: KafkaEventBus) -> AsyncIterator[runs.PipelineClient]:
 async def _run_async(
     quick: bool, bootstrap: str, data_dir: str, layout: CpuLayout | None
 ) -> dict[str, Any]:
-    from engine.backends.torch_backend import TorchEngineBackend, apply_process_options
+    from sluice.engine.backends.torch_backend import TorchEngineBackend, apply_process_options
     from sluice.wiring import freeze_heap
 
     engine_cpus = layout.engine if layout else None

@@ -19,11 +19,11 @@ from multiprocessing.synchronize import Event as MpEvent
 from typing import Any
 
 from benchmarks.stats import percentile
-from bus.base import TopicSpec
-from bus.codec import decode_as
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.messages import TelemetryRecord, Timings
-from bus.topics import TELEMETRY_TOPIC, TopicLayout
+from sluice.bus.base import TopicSpec
+from sluice.bus.codec import decode_as
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.messages import TelemetryRecord, Timings
+from sluice.bus.topics import TELEMETRY_TOPIC, TopicLayout
 
 
 def kafka_config(bootstrap: str, client_id: str) -> KafkaConfig:
@@ -37,7 +37,7 @@ def engine_config() -> Any:
     Priority scheduling is what the worker's lane → priority mapping relies on
     (`consumers.worker_requests.LANE_PRIORITY`); fcfs would ignore it.
     """
-    from engine.config import EngineConfig
+    from sluice.engine.config import EngineConfig
 
     return EngineConfig(scheduling_policy="priority")
 
@@ -83,8 +83,8 @@ def _worker_main(
     ready: MpEvent,
     stop: MpEvent,
 ) -> None:
-    from engine.backends.torch_backend import apply_process_options
-    from engine.options import apply_switch_interval
+    from sluice.engine.backends.torch_backend import apply_process_options
+    from sluice.engine.options import apply_switch_interval
     from sluice.wiring import freeze_heap
 
     # this process is a composition root: its process-wide effects as `sluice worker
@@ -93,10 +93,10 @@ def _worker_main(
     options = engine_options(engine_cpus)
     apply_switch_interval(options)
     apply_process_options(options)
-    from consumers.engine_worker import EngineWorker, EngineWorkerConfig
-    from consumers.progress import MemoryProgressStore
-    from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
-    from engine.backends.torch_backend import TorchEngineBackend
+    from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
+    from sluice.consumers.progress import MemoryProgressStore
+    from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+    from sluice.engine.backends.torch_backend import TorchEngineBackend
 
     bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-worker"))
     bus.create_topics(TopicLayout().specs())

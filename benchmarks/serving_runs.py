@@ -20,14 +20,14 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.service import GatewayService
 from benchmarks.stats import percentile
-from bus.base import EventBus
-from bus.messages import GenerateRequest, SamplingSpec, TokenDelta
-from bus.topics import Lane
-from consumers.worker_requests import LANE_PRIORITY
-from engine.backends.base import EngineRequest
-from engine.sampling import SamplingParams
+from sluice.api.service import GatewayService
+from sluice.bus.base import EventBus
+from sluice.bus.messages import GenerateRequest, SamplingSpec, TokenDelta
+from sluice.bus.topics import Lane
+from sluice.consumers.worker_requests import LANE_PRIORITY
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.sampling import SamplingParams
 
 VOCAB = (5, 500)  # token ids drawn from the tiny-llama vocabulary (512), specials left out
 

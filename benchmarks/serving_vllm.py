@@ -46,7 +46,7 @@ from benchmarks.http_servers import Launch, Server, servers
 from benchmarks.observability import Result, arrivals, cpu_seconds, stream_one
 from benchmarks.stats import percentile, ratio
 from benchmarks.vllm_peer import INSTALL_HINT, PEER_PYTHON
-from bus.tansu import free_port
+from sluice.tansu import free_port
 
 TARGETS = {"burst_tokens_per_s_vs_vllm_min": 1.1, "burst_ttft_p99_vs_vllm_max": 1.0}
 MODEL = "tiny-llama"
@@ -281,7 +281,7 @@ def run(quick: bool = False, data_dir: str | None = None,
         result["skipped"] = {"vllm": INSTALL_HINT}
         return result
     from benchmarks.engine import BENCH_MODEL
-    from engine.loader import resolve_model_dir
+    from sluice.engine.loader import resolve_model_dir
     from sluice.settings import CommonSettings, load_settings
 
     data_dir = data_dir or str(load_settings(CommonSettings).data_dir)

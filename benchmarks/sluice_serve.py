@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from bus.tansu import free_port
+from sluice.tansu import free_port
 
 # the benchmarks' requests name tiny-llama (fast, random weights), not the default model
 MODEL_ENV = {"SLUICE_MODEL": "tiny-llama"}

@@ -97,7 +97,7 @@ def cycle_cases(n: int) -> list[SchemaCase]:
 
 def _bench_throughput(run: Any, prompts: list[list[int]], outputs: list[int], reps: int) -> dict:
     from benchmarks.engine import _interleave, _median_of, rep_ratios
-    from engine.sampling import Constraint, SamplingParams
+    from sluice.engine.sampling import Constraint, SamplingParams
 
     cases = cycle_cases(len(prompts))
     constrained = [
@@ -162,8 +162,8 @@ def _bench_compile(tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> dict:
     (`engine.structured.GrammarCompiler`, its cache cold then hot)."""
     import numpy as np
 
-    from engine.sampling import Constraint
-    from engine.structured import GrammarCompiler
+    from sluice.engine.sampling import Constraint
+    from sluice.engine.structured import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer, vocab_size, list(eos))
     t0 = time.perf_counter()
@@ -318,9 +318,9 @@ def run(
     import torch
 
     from benchmarks.engine import SluiceRun, apply_process_options, bench_workloads, engine_options
-    from engine.loader import load_model, resolve_model_dir
-    from engine.runner.model_runner import torch_dtype
-    from engine.structured import GrammarCompiler
+    from sluice.engine.loader import load_model, resolve_model_dir
+    from sluice.engine.runner.model_runner import torch_dtype
+    from sluice.engine.structured import GrammarCompiler
 
     apply_process_options(engine_options())
     torch.manual_seed(0)

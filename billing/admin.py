@@ -2,7 +2,7 @@
 
 Each function takes the billing `Database`, does one job through the repositories, and
 returns JSON-ready rows (str/int/None; times as ISO 8601), so `sluice … --json` and
-`/admin/v1/…` print the same objects. Errors are `billing.errors` (InvalidInput → 400 /
+`/admin/v1/…` print the same objects. Errors are `storage.errors` (InvalidInput → 400 /
 exit 2, NotFound → 404, Conflict → 409, StoreUnavailable → 503 / exit 1).
 """
 
@@ -12,15 +12,18 @@ import datetime as dt
 from decimal import Decimal
 from typing import Any
 
-import sqlalchemy as sa
-
-from billing.db import Database
-from billing.errors import InvalidInput
-from billing.keys import KeyInfo, KeyRepository
-from billing.models import Tenant
-from billing.prices import Price, PriceBook
-from billing.reports import Report, usage_report
-from billing.tenants import PlanLimits, TenantInfo, TenantRepository, micros_to_usd, usd_to_micros
+from sluice.storage.db import Database
+from sluice.storage.errors import InvalidInput
+from sluice.storage.keys import KeyInfo, KeyRepository
+from sluice.storage.prices import Price, PriceBook
+from sluice.storage.tenants import (
+    PlanLimits,
+    TenantInfo,
+    TenantRepository,
+    micros_to_usd,
+    usd_to_micros,
+)
+from sluice.storage.usage import Report, usage_report
 
 Row = dict[str, Any]
 
@@ -90,8 +93,7 @@ def list_tenants(db: Database) -> list[Row]:
 
 def has_tenants(db: Database) -> bool:
     """Whether any tenant exists (the gateway's static-key fallback needs an empty store)."""
-    with db.session() as session:
-        return session.scalar(sa.select(Tenant.id).limit(1)) is not None
+    return TenantRepository(db).exists()
 
 
 def create_key(db: Database, tenant: str, name: str | None = None) -> Row:

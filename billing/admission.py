@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from billing.db import Database, embedded_url
-from billing.errors import BillingError
-from billing.keys import KeyAuthenticator, Principal
-from billing.ledger import is_batch
-from billing.prices import PriceBook, PriceCache, picos_to_micros_ceil
-from billing.quota_memory import MemoryQuotaStore
-from billing.quotas import Decision, QuotaStore, Reservation, Settlement, release
-from bus.messages import Usage, UsageRecord
-from bus.topics import Lane
+from sluice.bus.messages import Usage, UsageRecord
+from sluice.bus.topics import Lane
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.errors import StoreError
+from sluice.storage.keys import KeyAuthenticator, Principal
+from sluice.storage.ledger import is_batch
+from sluice.storage.prices import PriceBook, PriceCache, picos_to_micros_ceil
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.quotas import Decision, QuotaStore, Reservation, Settlement, release
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class AdmissionService:
                 tenant_id, request_id, attempt, model, usage, batch=batch
             )
             return self.quotas.settle(settlement)
-        except BillingError as exc:
+        except StoreError as exc:
             logger.warning(
                 "settle on terminal delta failed request_id=%s tenant_id=%s: %s "
                 "(the quotas consumer settles it from the usage topic)",
@@ -153,7 +153,7 @@ def open_admission(
     )
     quotas: QuotaStore
     if redis_url:
-        from billing.quota_redis import RedisQuotaStore
+        from sluice.storage.quota_redis import RedisQuotaStore
 
         quotas = RedisQuotaStore(
             redis_url, prefix=redis_prefix, fallback_replicas=fallback_replicas

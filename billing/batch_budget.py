@@ -21,12 +21,12 @@ from __future__ import annotations
 import time
 import uuid
 
-from billing.admission import AdmissionService
-from billing.errors import NotFound
-from billing.quotas import Decision, Reservation, release
-from billing.tenants import PlanLimits, TenantRepository
-from bus.messages import Usage
-from bus.topics import Lane
+from sluice.billing.admission import AdmissionService
+from sluice.bus.messages import Usage
+from sluice.bus.topics import Lane
+from sluice.storage.errors import NotFound
+from sluice.storage.quotas import Decision, Reservation, release
+from sluice.storage.tenants import PlanLimits, TenantRepository
 
 
 class BatchBudget:

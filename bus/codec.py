@@ -10,8 +10,8 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from bus.errors import DecodeError
-from bus.messages import (
+from sluice.bus.errors import DecodeError
+from sluice.bus.messages import (
     Cancel,
     GenerateRequest,
     Heartbeat,
@@ -20,7 +20,7 @@ from bus.messages import (
     TokenDeltaBatch,
     UsageRecord,
 )
-from bus.topics import (
+from sluice.bus.topics import (
     CONTROL_TOPIC,
     HEARTBEATS_TOPIC,
     REQUEST_TOPICS,

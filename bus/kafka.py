@@ -27,7 +27,7 @@ import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from bus.base import (
+from sluice.bus.base import (
     Consumer,
     Delivered,
     Headers,
@@ -37,7 +37,7 @@ from bus.base import (
     TopicPartition,
     TopicSpec,
 )
-from bus.errors import BusError, BusUnavailable, CommitFailed, DeliveryFailed, TopicError
+from sluice.bus.errors import BusError, BusUnavailable, CommitFailed, DeliveryFailed, TopicError
 
 logger = logging.getLogger(__name__)
 _rdkafka_logger = logging.getLogger(__name__ + ".rdkafka")

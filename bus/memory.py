@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from bus.base import (
+from sluice.bus.base import (
     Consumer,
     Delivered,
     Headers,
@@ -34,8 +34,8 @@ from bus.base import (
     TopicPartition,
     TopicSpec,
 )
-from bus.errors import BusError, CommitFailed, TopicError
-from bus.partitioner import partition_for
+from sluice.bus.errors import BusError, CommitFailed, TopicError
+from sluice.bus.partitioner import partition_for
 
 _member_ids = itertools.count(1)
 

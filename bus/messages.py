@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bus.topics import Lane
+from sluice.bus.topics import Lane
 
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from bus.base import TopicSpec
+from sluice.bus.base import TopicSpec
 
 
 class Lane(enum.StrEnum):

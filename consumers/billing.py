@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 
-from billing.errors import InvalidInput
-from billing.ledger import UsageLedger
-from bus.base import EventBus, Record
-from bus.codec import decode_as
-from bus.messages import Message, UsageRecord
-from bus.topics import USAGE_TOPIC
-from consumers.loop import ConsumeLoop, LoopConfig
-from tracing.metrics import BillingLag
+from sluice.bus.base import EventBus, Record
+from sluice.bus.codec import decode_as
+from sluice.bus.messages import Message, UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
+from sluice.consumers.loop import ConsumeLoop, LoopConfig
+from sluice.storage.errors import InvalidInput
+from sluice.storage.ledger import UsageLedger
+from sluice.tracing.metrics import BillingLag
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from bus.messages import Cancel, GenerateRequest
+from sluice.bus.messages import Cancel, GenerateRequest
 
 
 class CancelRegistry:

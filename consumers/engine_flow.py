@@ -24,21 +24,21 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from bus.base import EventBus, Record, TopicPartition
-from bus.codec import decode_as, encode
-from bus.errors import DecodeError
-from bus.messages import Cancel, GenerateRequest, Heartbeat
-from bus.topics import HEARTBEATS_TOPIC, Lane, reply_topic
-from consumers.cancels import CancelRegistry, cancel_matches
-from consumers.engine_outputs import superseded_telemetry, superseded_usage, unrun_terminal
-from consumers.engine_publisher import StepPublisher
-from consumers.fair_queue import FairQueue
-from consumers.gateway_liveness import GatewayLiveness
-from consumers.loop import publish_dead_letter
-from consumers.offsets import OffsetTracker
-from consumers.progress import AttemptStart, ProgressStore, ProgressUnavailable
-from consumers.progress import call as progress_call
-from consumers.work_item import (
+from sluice.bus.base import EventBus, Record, TopicPartition
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.errors import DecodeError
+from sluice.bus.messages import Cancel, GenerateRequest, Heartbeat
+from sluice.bus.topics import HEARTBEATS_TOPIC, Lane, reply_topic
+from sluice.consumers.cancels import CancelRegistry, cancel_matches
+from sluice.consumers.engine_outputs import superseded_telemetry, superseded_usage, unrun_terminal
+from sluice.consumers.engine_publisher import StepPublisher
+from sluice.consumers.fair_queue import FairQueue
+from sluice.consumers.gateway_liveness import GatewayLiveness
+from sluice.consumers.loop import publish_dead_letter
+from sluice.consumers.offsets import OffsetTracker
+from sluice.consumers.progress import AttemptStart, ProgressStore, ProgressUnavailable
+from sluice.consumers.progress import call as progress_call
+from sluice.consumers.work_item import (
     ABORTED,
     DEADLINE,
     FENCED,
@@ -53,20 +53,20 @@ from consumers.work_item import (
     WorkItem,
     now_ms,
 )
-from consumers.worker_requests import (
+from sluice.consumers.worker_requests import (
     LANE_PRIORITY,
     deadline_to_monotonic,
     engine_request,
     is_expired,
 )
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineBackend,
     EngineDeadError,
     EngineDelta,
     RequestRejectedError,
 )
-from engine.sampling import SamplingParamsError
-from tracing.propagation import trace_headers
+from sluice.engine.sampling import SamplingParamsError
+from sluice.tracing.propagation import trace_headers
 
 logger = logging.getLogger(__name__)
 

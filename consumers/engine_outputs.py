@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import assert_never
 
-from bus.messages import (
+from sluice.bus.messages import (
     FinishReason,
     PromptLogprob,
     TelemetryRecord,
@@ -32,11 +32,11 @@ from bus.messages import (
     Usage,
     UsageRecord,
 )
-from consumers.progress import StepProgress
-from consumers.work_item import EndReason, WorkItem, now_ms
-from engine.backends.base import EngineDelta
-from engine.backends.base import FinishReason as EngineFinishReason
-from engine.backends.base import TokenLogprob as EngineTokenLogprob
+from sluice.consumers.progress import StepProgress
+from sluice.consumers.work_item import EndReason, WorkItem, now_ms
+from sluice.engine.backends.base import EngineDelta
+from sluice.engine.backends.base import FinishReason as EngineFinishReason
+from sluice.engine.backends.base import TokenLogprob as EngineTokenLogprob
 
 
 def to_bus_finish_reason(reason: EngineFinishReason) -> FinishReason:

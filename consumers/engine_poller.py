@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bus.base import Consumer, EventBus, Record, TopicPartition
-from bus.errors import BusError
-from bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC
+from sluice.bus.base import Consumer, EventBus, Record, TopicPartition
+from sluice.bus.errors import BusError
+from sluice.bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC
 
 logger = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from bus.base import Delivered, EventBus
-from bus.codec import encode
-from bus.messages import TelemetryRecord, TokenDeltaBatch, UsageRecord
-from bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
-from consumers.engine_outputs import DeltaPart, build_step, render
-from consumers.progress import ProgressStore, ProgressUnavailable, StepProgress
-from consumers.progress import call as progress_call
-from consumers.work_item import WorkItem
-from engine.backends.base import EngineDelta
-from tracing.metrics import StepTimer, observe_attempt
+from sluice.bus.base import Delivered, EventBus
+from sluice.bus.codec import encode
+from sluice.bus.messages import TelemetryRecord, TokenDeltaBatch, UsageRecord
+from sluice.bus.topics import TELEMETRY_TOPIC, USAGE_TOPIC, reply_topic
+from sluice.consumers.engine_outputs import DeltaPart, build_step, render
+from sluice.consumers.progress import ProgressStore, ProgressUnavailable, StepProgress
+from sluice.consumers.progress import call as progress_call
+from sluice.consumers.work_item import WorkItem
+from sluice.engine.backends.base import EngineDelta
+from sluice.tracing.metrics import StepTimer, observe_attempt
 
 logger = logging.getLogger(__name__)
 

@@ -35,17 +35,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.base import EventBus, TopicPartition
-from bus.topics import Lane, request_topic
-from consumers.engine_flow import RequestFlow
-from consumers.engine_poller import LanePoller, PollResult
-from consumers.progress import ProgressStore
-from engine.backends.base import (
+from sluice.bus.base import EventBus, TopicPartition
+from sluice.bus.topics import Lane, request_topic
+from sluice.consumers.engine_flow import RequestFlow
+from sluice.consumers.engine_poller import LanePoller, PollResult
+from sluice.consumers.progress import ProgressStore
+from sluice.engine.backends.base import (
     EngineBackend,
     EngineDeadError,
     RestartableBackend,
 )
-from tracing.metrics import LagReporter, watch_engine
+from sluice.tracing.metrics import LagReporter, watch_engine
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bus.messages import Heartbeat
+from sluice.bus.messages import Heartbeat
 
 
 class GatewayLiveness:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
-from bus.base import Consumer, Delivered, EventBus, Record, TopicPartition
-from bus.codec import decode
-from bus.errors import BusError, CommitFailed, DecodeError
-from bus.messages import Message
-from bus.topics import dead_letter_topic
-from tracing.metrics import LagReporter, count_dead_letter
+from sluice.bus.base import Consumer, Delivered, EventBus, Record, TopicPartition
+from sluice.bus.codec import decode
+from sluice.bus.errors import BusError, CommitFailed, DecodeError
+from sluice.bus.messages import Message
+from sluice.bus.topics import dead_letter_topic
+from sluice.tracing.metrics import LagReporter, count_dead_letter
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus.base import TopicPartition
+from sluice.bus.base import TopicPartition
 
 
 class OffsetTracker:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 
-from billing.admission import UsageSettler
-from billing.errors import InvalidInput
-from bus.base import EventBus, Record
-from bus.codec import decode_as
-from bus.messages import Message, UsageRecord
-from bus.topics import USAGE_TOPIC
-from consumers.loop import ConsumeLoop, LoopConfig
+from sluice.billing.admission import UsageSettler
+from sluice.bus.base import EventBus, Record
+from sluice.bus.codec import decode_as
+from sluice.bus.messages import Message, UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
+from sluice.consumers.loop import ConsumeLoop, LoopConfig
+from sluice.storage.errors import InvalidInput
 
 logger = logging.getLogger(__name__)
 

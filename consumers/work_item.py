@@ -32,10 +32,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from bus.base import TopicPartition
-from bus.messages import GenerateRequest
-from consumers.progress import AttemptStart
-from engine.backends.base import FinishReason
+from sluice.bus.base import TopicPartition
+from sluice.bus.messages import GenerateRequest
+from sluice.consumers.progress import AttemptStart
+from sluice.engine.backends.base import FinishReason
 
 
 def now_ms() -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from consumers.work_item import WorkItem
-from engine.backends.base import EngineRequest
-from engine.sampling import Constraint, SamplingParams
+from sluice.consumers.work_item import WorkItem
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.sampling import Constraint, SamplingParams
 
 LANE_PRIORITY = {"interactive": 0, "standard": 1, "batch": 2}  # lower runs first
 

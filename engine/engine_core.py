@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDelta,
     EngineRequest,
     EngineStats,
@@ -31,14 +31,19 @@ from engine.backends.base import (
     TokenLogprob,
     check_request,
 )
-from engine.config import EngineConfig
-from engine.core.outputs import PromptLogprobsChunk, RunnerOutput, SampledToken, SchedulerOutput
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.errors import RequestRejectedError
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.outputs import (
+    PromptLogprobsChunk,
+    RunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+)
+from sluice.engine.core.request import Request, RequestStatus
+from sluice.engine.core.scheduler import Scheduler
+from sluice.engine.errors import RequestRejectedError
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from sluice.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ DetokenizerFactory = Callable[[Request], Detokenizer]
 
 def tokenizer_detokenizers(tokenizer: Tokenizer) -> DetokenizerFactory:
     """A factory of `IncrementalDetokenizer`s over `tokenizer`, with each request's stops."""
-    from engine.tokenizer import IncrementalDetokenizer
+    from sluice.engine.tokenizer import IncrementalDetokenizer
 
     def make(request: Request) -> Detokenizer:
         resumed = request.num_resumed_tokens

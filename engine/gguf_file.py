@@ -22,8 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from engine.gguf_tokenizer import GGUFTokenizerError, TokenizerMetadata, build_tokenizer
-from engine.tokenizer import Tokenizer
+from sluice.engine.gguf_tokenizer import GGUFTokenizerError, TokenizerMetadata, build_tokenizer
+from sluice.engine.tokenizer import Tokenizer
 
 # `general.architecture` -> Hugging Face model_type (the engine's Llama family)
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}

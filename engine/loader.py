@@ -20,10 +20,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.model_files import SMOLLM2, ModelFilesError, gguf_path, open_gguf, smollm2_gguf
-from engine.models.llama import LlamaConfig, LlamaForCausalLM, UnsupportedModelError, rope_inv_freq
-from engine.runner.model_runner import torch_dtype
-from engine.tokenizer import Tokenizer, TokenizerError
+from sluice.engine.model_files import SMOLLM2, ModelFilesError, gguf_path, open_gguf, smollm2_gguf
+from sluice.engine.models.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    UnsupportedModelError,
+    rope_inv_freq,
+)
+from sluice.engine.runner.model_runner import torch_dtype
+from sluice.engine.tokenizer import Tokenizer, TokenizerError
 
 PRESETS = ("tiny-llama", SMOLLM2)
 
@@ -73,7 +78,7 @@ def resolve_model_dir(
         except ModelFilesError as e:
             raise ModelLoadError(str(e)) from e
     if str(model) in PRESETS:
-        from engine.preset import ensure_tiny_llama
+        from sluice.engine.preset import ensure_tiny_llama
 
         if data_dir is None:
             raise ModelLoadError(f"the {model!r} preset needs a data_dir to be written in")
@@ -167,7 +172,7 @@ def _load_weights(
 
 def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
     if quantization == "int8":
-        from engine.quantization import quantize_int8
+        from sluice.engine.quantization import quantize_int8
 
         quantize_int8(net)
     elif quantization is not None:

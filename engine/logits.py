@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.core.request import Request
-from engine.structured import RequestMatcher
+from sluice.engine.core.request import Request
+from sluice.engine.structured import RequestMatcher
 
 NEG_INF = float("-inf")
 WRAP_UP_MIN = 32  # tokens: the least a constrained request keeps for closing its JSON

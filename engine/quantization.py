@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import kernels
+from sluice.engine import kernels
 
 
 class Int8Linear(nn.Module):

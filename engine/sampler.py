@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingParams
+from sluice.engine.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.sampling import Constraint
+from sluice.engine.sampling import Constraint
 
 if TYPE_CHECKING:
     import llguidance
 
-    from engine.tokenizer import Tokenizer
+    from sluice.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

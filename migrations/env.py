@@ -1,11 +1,11 @@
-"""Alembic environment: the engine comes from `billing.db.alembic_config` (no alembic.ini)."""
+"""Alembic environment: the engine comes from `storage.db.alembic_config` (no alembic.ini)."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import context
 
-from billing.models import Base
+from sluice.storage.tables import Base
 
 target_metadata = Base.metadata
 
@@ -15,7 +15,7 @@ def run_migrations_online() -> None:
     if engine is None:
         url = context.config.get_main_option("sqlalchemy.url")
         if not url:
-            raise RuntimeError("run migrations through `sluice migrate` or billing.db.migrate")
+            raise RuntimeError("run migrations through `sluice migrate` or storage.db.migrate")
         engine = sa.create_engine(url)
     with engine.connect() as connection:
         context.configure(

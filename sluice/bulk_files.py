@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from api.served import ServedModel
-from consumers.batches.lines import MAX_CUSTOM_ID, line_error, parse_file, unrun_line
+from sluice.api.served import ServedModel
+from sluice.consumers.batches.lines import MAX_CUSTOM_ID, line_error, parse_file, unrun_line
 
 # a single line may hold what text.splitlines() splits further (U+2028 in a string): it
 # then fails as its fragments would in a batch, rather than as one "too many" error

@@ -20,14 +20,16 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from api.app import request_limits
-from api.auth import Principal
-from api.deps import Gateway
-from api.errors import APIError
-from api.served import ModelCatalog, ServedModel
-from api.service import GatewayService
-from bus.memory import MemoryEventBus
-from consumers.batches.lines import (
+from sluice import wiring
+from sluice.api.app import request_limits
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway
+from sluice.api.errors import APIError
+from sluice.api.served import ModelCatalog, ServedModel
+from sluice.api.service import GatewayService
+from sluice.bulk_files import InputLine, OrderedWriter, Summary
+from sluice.bus.memory import MemoryEventBus
+from sluice.consumers.batches.lines import (
     BATCH_REPLY_TARGET,
     answer_body,
     line_request_id,
@@ -36,8 +38,6 @@ from consumers.batches.lines import (
     refused_line,
     run_error,
 )
-from sluice import wiring
-from sluice.bulk_files import InputLine, OrderedWriter, Summary
 from sluice.settings import EngineWorkerSettings, GatewaySettings
 
 logger = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ from typing import Annotated, Any
 
 import typer
 
-from billing import admin
-from billing.db import Database, embedded_url, is_current, make_engine, migrate
-from billing.errors import BillingError, InvalidInput
-from billing.reports import render_csv, render_png, render_table
+from sluice.billing import admin
+from sluice.billing.reports import render_csv, render_png, render_table
 from sluice.cli_common import CONTEXT_SETTINGS, FLAGS, DataDir, secure_data_dir
 from sluice.settings import Settings, SettingsError, load_settings
+from sluice.storage.db import Database, embedded_url, is_current, make_engine, migrate
+from sluice.storage.errors import InvalidInput, StoreError
 
 tenants_app = typer.Typer(
     help="Create and list tenants (each with its own plan limits).",
@@ -79,7 +79,7 @@ def _database(data_dir: Path | None, *, require_current: bool = True) -> Iterato
         yield db
     except InvalidInput as exc:
         raise _fail(str(exc), 2) from exc
-    except BillingError as exc:
+    except StoreError as exc:
         raise _fail(str(exc), 1) from exc
     except Exception as exc:
         if type(exc).__module__.split(".")[0] not in _DRIVER_MODULES:

@@ -187,10 +187,10 @@ def _bulk_in_process(
 ) -> None:
     import asyncio
 
-    from bus.memory import MemoryEventBus
     from sluice import wiring
     from sluice.bulk_files import OrderedWriter, Summary, read_input
     from sluice.bulk_run import default_window, embedded_engine, run_lines
+    from sluice.bus.memory import MemoryEventBus
 
     served = wiring.served_model(gateway_settings)  # the tokenizer only: no engine yet
     lines = read_input(job.content, job.endpoint, {served.name: served})

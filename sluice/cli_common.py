@@ -60,13 +60,13 @@ def settings_or_exit(cls: type[S], **overrides: Any) -> S:
 # batch sweep runs every 10 s), Alembic's migration context at every start; their
 # warnings and errors still show
 QUIETED_LOGGERS = {
-    "bus.kafka.rdkafka": logging.ERROR,
+    "sluice.bus.kafka.rdkafka": logging.ERROR,
     "celery.app.trace": logging.WARNING,
     "alembic.runtime.migration": logging.WARNING,
 }
 
 
-# billing.db.embedded_url's file; SQLite gives its -wal and -shm files the same mode
+# storage.db.embedded_url's file; SQLite gives its -wal and -shm files the same mode
 EMBEDDED_DB_FILES = ("sluice.db", "sluice.db-wal", "sluice.db-shm")
 
 

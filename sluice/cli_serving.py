@@ -43,7 +43,7 @@ from sluice.cli_common import DataDir as DataDir  # re-exported: `bulk` takes it
 from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
 
 if TYPE_CHECKING:
-    from billing.db import Database
+    from sluice.storage.db import Database
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _announce(
     if settings.model == TINY_LLAMA:
         typer.echo(TINY_LLAMA_NOTICE)
     if tenant_db is not None:
-        from billing.admin import has_tenants
+        from sluice.billing.admin import has_tenants
 
         if has_tenants(tenant_db):
             typer.echo("tenant keys only: the tenant store has tenants (sluice tenants list)")
@@ -261,8 +261,8 @@ def serve(
     upstream_url: UpstreamUrl = None,
 ) -> None:
     """Run everything in one process on the in-memory bus (embedded mode)."""
-    from bus.memory import MemoryEventBus
     from sluice import wiring
+    from sluice.bus.memory import MemoryEventBus
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = settings_or_exit(GatewaySettings, host=host, port=port, **overrides)
@@ -368,7 +368,7 @@ def worker_engine(
 ) -> None:
     """Run one engine worker on Kafka: pull requests, run the engine, publish tokens."""
     from sluice import wiring
-    from tracing.metrics import set_probes
+    from sluice.tracing.metrics import set_probes
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = settings_or_exit(
@@ -407,9 +407,9 @@ def worker_engine(
 @worker_app.command("billing")
 def worker_billing(data_dir: DataDir = None) -> None:
     """Run the billing consumer on Kafka: usage records → the usage ledger (SQL)."""
-    from consumers.billing import billing_loop
-    from consumers.loop import run_until_signalled
     from sluice import wiring
+    from sluice.consumers.billing import billing_loop
+    from sluice.consumers.loop import run_until_signalled
 
     settings = settings_or_exit(Settings, data_dir=data_dir)
     _require_kafka(settings)
@@ -428,9 +428,9 @@ def worker_billing(data_dir: DataDir = None) -> None:
 @worker_app.command("quotas")
 def worker_quotas(data_dir: DataDir = None) -> None:
     """Run the quotas consumer on Kafka: usage records → quota settlement in Redis."""
-    from consumers.loop import run_until_signalled
-    from consumers.quotas import quotas_loop
     from sluice import wiring
+    from sluice.consumers.loop import run_until_signalled
+    from sluice.consumers.quotas import quotas_loop
 
     settings = settings_or_exit(Settings, data_dir=data_dir)
     _require_kafka(settings)
@@ -455,9 +455,9 @@ def worker_tracing(data_dir: DataDir = None) -> None:
 
     Exits at once (status 0) when no span exporter is configured: it would build spans
     for nobody, and `sluice up` starts it only when one is."""
-    from consumers.loop import run_until_signalled
-    from consumers.tracing.handler import tracing_loop
     from sluice import wiring
+    from sluice.consumers.loop import run_until_signalled
+    from sluice.consumers.tracing.handler import tracing_loop
 
     settings = settings_or_exit(Settings, data_dir=data_dir)
     if not configure_process_tracing("sluice-tracing"):
@@ -488,8 +488,8 @@ def worker_batches(
     Celery runs validate, dispatch, finalize, cancel and sweep; the collector stores the
     engine's answers to batch lines. Needs SLUICE_DATABASE_URL and a Celery broker.
     """
-    from consumers.batches.tasks import QUEUE
     from sluice import wiring
+    from sluice.consumers.batches.tasks import QUEUE
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     # the runner builds a line's requests as the gateway builds them, with its limits
@@ -625,7 +625,7 @@ def _migrate_data_dir_store(settings: Settings) -> None:
     With SLUICE_DATABASE_URL, `sluice migrate` is the migration step."""
     if settings.database_url is not None:
         return
-    from billing.db import Database, embedded_url
+    from sluice.storage.db import Database, embedded_url
 
     secure_data_dir(settings)  # before SQLite creates it with the umask's mode
     Database.connect(embedded_url(settings.data_dir), migrate_if_needed=True).close()
@@ -635,7 +635,7 @@ def _migrate_data_dir_store(settings: Settings) -> None:
 def _tenant_store(settings: Settings) -> Iterator[Database]:
     """The store whose tenants the gateway admits against: SLUICE_DATABASE_URL's, else
     the data dir's SQLite (both migrated by now)."""
-    from billing.db import Database, embedded_url
+    from sluice.storage.db import Database, embedded_url
 
     db = Database.connect(settings.database_url or embedded_url(settings.data_dir))
     try:
@@ -684,7 +684,7 @@ def serve_metrics(settings: Settings, *, ready_later: bool = False) -> None:
     `ready_later`: `/readyz` answers 503 until the caller's `set_probes`. An engine
     worker's replacement that said ready from its first moment let a rolling restart stop
     the next worker while the group was still rebalancing."""
-    from tracing.metrics import set_probes, start_metrics_server
+    from sluice.tracing.metrics import set_probes, start_metrics_server
 
     switch_metrics(settings)
     if ready_later:
@@ -695,20 +695,20 @@ def serve_metrics(settings: Settings, *, ready_later: bool = False) -> None:
 def switch_metrics(settings: Settings) -> None:
     """SLUICE_METRICS_ENABLED=false: nothing is counted or observed in this process
     (`tracing.metrics.set_enabled`); applied before any worker or consumer starts."""
-    from tracing.metrics import set_enabled
+    from sluice.tracing.metrics import set_enabled
 
     set_enabled(settings.metrics_enabled)
 
 
 def configure_process_tracing(service_name: str) -> bool:
     """This process's spans, exported as the OTEL_* variables ask; False: none are."""
-    from tracing.setup import configure_tracing
+    from sluice.tracing.setup import configure_tracing
 
     return configure_tracing(service_name) is not None
 
 
 def spans_exported() -> bool:
-    from tracing.setup import spans_exported as exported
+    from sluice.tracing.setup import spans_exported as exported
 
     return exported()
 

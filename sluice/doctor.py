@@ -7,10 +7,10 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from billing.health import check_database, check_redis
-from bus.kafka import check_kafka
-from bus.tansu import tansu_binary
+from sluice.bus.kafka import check_kafka
 from sluice.settings import Settings
+from sluice.storage.health import check_database, check_redis
+from sluice.tansu import tansu_binary
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +56,8 @@ def _cpu() -> str:
     """What the engine makes of this CPU: native bf16 or not, and its decode kernels."""
     import torch
 
-    from engine import kernels
-    from engine.models.cpu_linear import native_low_precision
+    from sluice.engine import kernels
+    from sluice.engine.models.cpu_linear import native_low_precision
 
     isa = torch.backends.cpu.get_cpu_capability()
     bf16 = (

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.options import EngineOptions
+from sluice.engine.options import EngineOptions
 
 ENV_PREFIX = "SLUICE_"
 _ENGINE = EngineOptions()  # the engine's runtime defaults
@@ -583,7 +583,7 @@ class EngineWorkerSettings(Settings):
 
     def worker_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `consumers.engine_worker.EngineWorkerConfig`."""
-        from bus.topics import Lane
+        from sluice.bus.topics import Lane
 
         return {
             "group_id": self.engine_group_id,

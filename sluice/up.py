@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from bus.tansu import TansuBroker
+from sluice.tansu import TansuBroker
 
 logger = logging.getLogger(__name__)
 

@@ -18,30 +18,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api.app import create_app, request_limits
-from api.routes.batches import BatchLimits
-from api.served import ServedModel
-from billing.admission import AdmissionService, open_admission
-from billing.batch_budget import BatchBudget
-from billing.batch_store import BatchStore
-from billing.db import Database, embedded_url
-from billing.ledger import UsageLedger
-from bus.base import EventBus, TopicPartition, TopicSpec
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.memory import MemoryEventBus
-from bus.topics import USAGE_TOPIC, TopicLayout, reply_topic
-from consumers.batches.collector import BatchCollector
-from consumers.batches.lines import BATCH_REPLY_TARGET
-from consumers.batches.runner import BatchConfig, BatchRunner
-from consumers.batches.tasks import CeleryBatches, InProcessBatches, bind_runner, make_celery
-from consumers.billing import billing_loop
-from consumers.engine_worker import EngineWorker, EngineWorkerConfig
-from consumers.loop import ConsumeLoop
-from consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
-from consumers.quotas import quotas_loop
-from consumers.tracing.handler import tracing_loop
-from engine.cpus import CpuLayout, available_cpus, pin_process, plan_layout
-from engine.options import EngineOptions, apply_switch_interval
+from sluice.api.app import create_app, request_limits
+from sluice.api.routes.batches import BatchLimits
+from sluice.api.served import ServedModel
+from sluice.billing.admission import AdmissionService, open_admission
+from sluice.billing.batch_budget import BatchBudget
+from sluice.bus.base import EventBus, TopicPartition, TopicSpec
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import USAGE_TOPIC, TopicLayout, reply_topic
+from sluice.consumers.batches.collector import BatchCollector
+from sluice.consumers.batches.lines import BATCH_REPLY_TARGET
+from sluice.consumers.batches.runner import BatchConfig, BatchRunner
+from sluice.consumers.batches.tasks import CeleryBatches, InProcessBatches, bind_runner, make_celery
+from sluice.consumers.billing import billing_loop
+from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
+from sluice.consumers.quotas import quotas_loop
+from sluice.consumers.tracing.handler import tracing_loop
+from sluice.engine.cpus import CpuLayout, available_cpus, pin_process, plan_layout
+from sluice.engine.options import EngineOptions, apply_switch_interval
 from sluice.settings import (
     EngineWorkerSettings,
     GatewaySettings,
@@ -49,16 +46,19 @@ from sluice.settings import (
     Settings,
     SettingsError,
 )
+from sluice.storage.batches import BatchStore
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.ledger import UsageLedger
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from engine.backends.process_backend import ProcessEngineBackend
-    from engine.backends.replicated import ReplicatedBackend
-    from engine.backends.sim_backend import SimEngineBackend
-    from engine.backends.torch_backend import TorchEngineBackend
-    from engine.backends.trtllm_backend import TrtllmEngineBackend
-    from engine.backends.upstream_backend import UpstreamEngineBackend
+    from sluice.engine.backends.process_backend import ProcessEngineBackend
+    from sluice.engine.backends.replicated import ReplicatedBackend
+    from sluice.engine.backends.sim_backend import SimEngineBackend
+    from sluice.engine.backends.torch_backend import TorchEngineBackend
+    from sluice.engine.backends.trtllm_backend import TrtllmEngineBackend
+    from sluice.engine.backends.upstream_backend import UpstreamEngineBackend
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def resolve_dtype(settings: ModelSettings, device: str) -> str:
         return "bfloat16"
     import torch
 
-    from engine.models.cpu_linear import native_low_precision
+    from sluice.engine.models.cpu_linear import native_low_precision
 
     return "bfloat16" if native_low_precision(torch.bfloat16) else "float32"
 
@@ -137,8 +137,8 @@ def model_dir(settings: Settings) -> Path:
     """The configured model's path (a preset's, created on first use): a Hugging Face
     directory or a GGUF file. A model that is not there, or that the engine cannot run,
     raises SettingsError in one line (`sluice.cli.main` prints it, no traceback)."""
-    from engine.loader import ModelLoadError, resolve_model_dir
-    from engine.model_files import ModelFilesError, model_config
+    from sluice.engine.loader import ModelLoadError, resolve_model_dir
+    from sluice.engine.model_files import ModelFilesError, model_config
 
     try:
         path = resolve_model_dir(settings.model, settings.data_dir)
@@ -150,7 +150,7 @@ def model_dir(settings: Settings) -> Path:
 
 def served_max_model_len(settings: Settings, path: Path) -> int:
     """The engine's limit, capped by what the checkpoint's positions allow."""
-    from engine.model_files import model_config
+    from sluice.engine.model_files import model_config
 
     config = model_config(path)
     positions = int(config.get("max_position_embeddings") or settings.max_model_len)
@@ -160,9 +160,9 @@ def served_max_model_len(settings: Settings, path: Path) -> int:
 def served_model(settings: Settings, tokenizer: Any | None = None) -> ServedModel:
     """The model as the gateway serves it; loads only the tokenizer when none is given.
     Output constraints are checked with the engine's own grammar compiler."""
-    from engine.model_files import load_tokenizer
-    from engine.sampling import Constraint
-    from engine.structured import GrammarCompiler
+    from sluice.engine.model_files import load_tokenizer
+    from sluice.engine.sampling import Constraint
+    from sluice.engine.structured import GrammarCompiler
 
     path = model_dir(settings)
     if tokenizer is None:
@@ -284,7 +284,7 @@ def apply_process_effects(settings: ModelSettings, options: EngineOptions) -> No
     if settings.backend in ("sim", "upstream"):  # no torch, no engine cores here
         return
     if not settings.engine_process:
-        from engine.backends.torch_backend import apply_process_options
+        from sluice.engine.backends.torch_backend import apply_process_options
 
         apply_process_options(options)
     if options.cpus:
@@ -313,7 +313,7 @@ def build_backend(
         return build_upstream_backend(settings)
     if settings.backend == "trtllm":
         return build_trtllm_backend(settings)
-    from engine.config import EngineConfig
+    from sluice.engine.config import EngineConfig
 
     device = resolve_device(settings)
     path = model_dir(settings)
@@ -329,16 +329,16 @@ def build_backend(
         scheduling_policy="priority",
     )
     if settings.engine_process:
-        from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+        from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 
         spec = EngineSpec(path, config, settings.data_dir, settings.quantization, options)
         replicas = resolve_engine_replicas(settings, device)
         if replicas > 1:
-            from engine.backends.replicated import ReplicatedBackend
+            from sluice.engine.backends.replicated import ReplicatedBackend
 
             return ReplicatedBackend.of(spec, replicas)
         return ProcessEngineBackend(spec)  # loads the model as it starts
-    from engine.backends.torch_backend import TorchEngineBackend
+    from sluice.engine.backends.torch_backend import TorchEngineBackend
 
     return TorchEngineBackend.from_model(
         path,
@@ -353,8 +353,8 @@ def build_sim_backend(settings: Settings) -> SimEngineBackend:
     """The sim backend for SLUICE_SIM_PRESET, serving the configured model's tokenizer and
     max_model_len (the gateway tokenizes as usual); SLUICE_MAX_NUM_SEQS and
     SLUICE_MAX_NUM_BATCHED_TOKENS override the preset's only when set."""
-    from engine.backends.sim_backend import SIM_PRESETS, SimEngineBackend
-    from engine.model_files import load_tokenizer
+    from sluice.engine.backends.sim_backend import SIM_PRESETS, SimEngineBackend
+    from sluice.engine.model_files import load_tokenizer
 
     preset = SIM_PRESETS.get(settings.sim_preset)
     if preset is None:
@@ -380,8 +380,8 @@ def build_sim_backend(settings: Settings) -> SimEngineBackend:
 def build_upstream_backend(settings: Settings) -> UpstreamEngineBackend:
     """The upstream backend over SLUICE_UPSTREAM_URLS; the gateway tokenizes with the
     configured model's tokenizer, which must be the upstream model's."""
-    from engine.backends.upstream_backend import UpstreamEngineBackend
-    from engine.model_files import load_tokenizer
+    from sluice.engine.backends.upstream_backend import UpstreamEngineBackend
+    from sluice.engine.model_files import load_tokenizer
 
     if not settings.upstream_urls:
         raise SettingsError(
@@ -406,7 +406,7 @@ def build_trtllm_backend(settings: Settings) -> TrtllmEngineBackend:
     included), loaded now: max_num_seqs, max_num_batched_tokens and max_model_len become
     its batch size, token budget and sequence length; SLUICE_TRTLLM_KV_CACHE_FRACTION its
     KV cache. SLUICE_DEVICE, SLUICE_DTYPE and SLUICE_KV_CACHE_MB do not apply."""
-    from engine.backends.trtllm_backend import TrtllmEngineBackend
+    from sluice.engine.backends.trtllm_backend import TrtllmEngineBackend
 
     path = model_dir(settings)
     try:
@@ -517,7 +517,7 @@ def open_tenancy(settings: GatewaySettings, *, embedded: bool) -> AdmissionServi
 
 def billing_store(settings: Settings) -> UsageLedger:
     """The ledger the billing consumer writes: SLUICE_DATABASE_URL, else the data dir's SQLite."""
-    from billing.db import Database, embedded_url
+    from sluice.storage.db import Database, embedded_url
 
     url = settings.database_url or embedded_url(settings.data_dir)
     return UsageLedger(Database.connect(url, migrate_if_needed=settings.database_url is None))
@@ -525,10 +525,10 @@ def billing_store(settings: Settings) -> UsageLedger:
 
 def quota_settler(settings: Settings) -> Any:
     """The quotas consumer's settler on Redis (SLUICE_REDIS_URL is required)."""
-    from billing.admission import UsageSettler
-    from billing.db import Database, embedded_url
-    from billing.prices import PriceBook, PriceCache
-    from billing.quota_redis import RedisQuotaStore
+    from sluice.billing.admission import UsageSettler
+    from sluice.storage.db import Database, embedded_url
+    from sluice.storage.prices import PriceBook, PriceCache
+    from sluice.storage.quota_redis import RedisQuotaStore
 
     if not settings.redis_url:
         raise ValueError("the quotas worker needs SLUICE_REDIS_URL")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.base import EventBus
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.memory import MemoryEventBus
-from bus.tansu import TansuBroker
-from engine.model_files import ModelFilesError, smollm2_gguf
+from sluice.bus.base import EventBus
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.memory import MemoryEventBus
+from sluice.engine.model_files import ModelFilesError, smollm2_gguf
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import TansuBroker
 from tests.services import port_open, service_missing
 
 # The suite runs on the fast `tiny-llama` preset: every settings object built here and every

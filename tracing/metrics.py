@@ -37,8 +37,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bus.base import TopicPartition
-from bus.messages import UsageRecord
+from sluice.bus.base import TopicPartition
+from sluice.bus.messages import UsageRecord
 
 logger = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
     if protocol != "http/protobuf":
         logger.warning("OTLP protocol %s is not installed; exporting http/protobuf", protocol)
     # imported here: the exporter pulls in requests and protobuf, needed only when used
-    from tracing.otlp_wire import FastOTLPSpanExporter
+    from sluice.tracing.otlp_wire import FastOTLPSpanExporter
 
     # the SDK's exporter (with our encoder) reads its endpoint (adding /v1/traces to the
     # generic one), headers and timeout from the same variables

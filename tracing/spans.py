@@ -21,7 +21,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from tracing.propagation import Headers, inject_headers
+from sluice.tracing.propagation import Headers, inject_headers
 
 logger = logging.getLogger(__name__)
 

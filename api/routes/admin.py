@@ -13,12 +13,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from api.auth import bearer_token
-from api.deps import Gateway, gateway
-from api.errors import AuthenticationFailed, PermissionDenied
-from api.routes.usage import tenancy_db
-from billing import admin
-from billing.db import Database
+from sluice.api.auth import bearer_token
+from sluice.api.deps import Gateway, gateway
+from sluice.api.errors import AuthenticationFailed, PermissionDenied
+from sluice.api.routes.usage import tenancy_db
+from sluice.billing import admin
+from sluice.storage.db import Database
 
 
 def require_admin(request: Request, gw: Gateway = Depends(gateway)) -> Database:

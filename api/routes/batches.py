@@ -22,14 +22,14 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import Field, field_validator
 from starlette.requests import HTTPConnection
 
-from api.auth import Principal, require_principal
-from api.batch_objects import Object, batch_object, cursor_page
-from api.deps import Gateway, gateway
-from api.errors import Conflict, InvalidRequest, NotFound, ServiceUnavailable
-from api.schemas import RequestBody
-from api.tenancy import denial
-from billing.batch_budget import BatchBudget
-from billing.batch_store import BatchInfo, BatchStore
+from sluice.api.auth import Principal, require_principal
+from sluice.api.batch_objects import Object, batch_object, cursor_page
+from sluice.api.deps import Gateway, gateway
+from sluice.api.errors import Conflict, InvalidRequest, NotFound, ServiceUnavailable
+from sluice.api.schemas import RequestBody
+from sluice.api.tenancy import denial
+from sluice.billing.batch_budget import BatchBudget
+from sluice.storage.batches import BatchInfo, BatchStore
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 

@@ -8,20 +8,20 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import output, prepare, structured, tools
-from api.auth import Principal
-from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from api.errors import InvalidRequest, error_for_finish
-from api.formatting import ChatFormat, generation_usage, with_reasoning_tokens
-from api.generation import Generation
-from api.output import ChoiceReader, OutputPlan, reasoning_tokens
-from api.prepare import Call
-from api.reasoning import CLOSE
-from api.schemas import ChatCompletionRequest
-from api.served import ServedModel
-from api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
-from api.tools import ToolPlan
-from bus.messages import SamplingSpec, StructuredSpec
+from sluice.api import output, prepare, structured, tools
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
+from sluice.api.errors import InvalidRequest, error_for_finish
+from sluice.api.formatting import ChatFormat, generation_usage, with_reasoning_tokens
+from sluice.api.generation import Generation
+from sluice.api.output import ChoiceReader, OutputPlan, reasoning_tokens
+from sluice.api.prepare import Call
+from sluice.api.reasoning import CLOSE
+from sluice.api.schemas import ChatCompletionRequest
+from sluice.api.served import ServedModel
+from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
+from sluice.api.tools import ToolPlan
+from sluice.bus.messages import SamplingSpec, StructuredSpec
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 

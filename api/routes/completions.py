@@ -9,17 +9,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import prepare, structured
-from api.auth import Principal
-from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from api.errors import error_for_finish
-from api.formatting import CompletionFormat, EchoedPrompt, generation_usage
-from api.generation import Generation
-from api.prepare import Call
-from api.schemas import CompletionRequest
-from api.served import ServedModel
-from api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
-from bus.messages import SamplingSpec
+from sluice.api import prepare, structured
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
+from sluice.api.errors import error_for_finish
+from sluice.api.formatting import CompletionFormat, EchoedPrompt, generation_usage
+from sluice.api.generation import Generation
+from sluice.api.prepare import Call
+from sluice.api.schemas import CompletionRequest
+from sluice.api.served import ServedModel
+from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
+from sluice.bus.messages import SamplingSpec
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 

@@ -24,13 +24,13 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import REGISTRY, CollectorRegistry
 from starlette.datastructures import State
 
-from api.dashboard_data import ScrapeHistory, scrape_all
-from api.deps import Gateway, gateway
-from api.errors import NotFound
-from api.routes.admin import require_admin
-from billing.batch_store import BatchStore
-from billing.dashboard_queries import batches_in_progress, tenant_usage_on
-from billing.db import Database
+from sluice.api.dashboard_data import ScrapeHistory, scrape_all
+from sluice.api.deps import Gateway, gateway
+from sluice.api.errors import NotFound
+from sluice.api.routes.admin import require_admin
+from sluice.storage.batches import BatchStore
+from sluice.storage.dashboard import batches_in_progress, tenant_usage_on
+from sluice.storage.db import Database
 
 router = APIRouter(tags=["dashboard"], include_in_schema=False)
 PAGE = Path(__file__).resolve().parent.parent / "dashboard" / "dashboard.html"

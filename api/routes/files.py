@@ -18,12 +18,18 @@ from typing import Any, BinaryIO, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
 
-from api.auth import Principal, require_principal
-from api.batch_objects import Object, file_deleted, file_object
-from api.errors import InvalidRequest, NotFound
-from api.routes.batches import BatchControl, BatchLimits, batch_control, by_object_id, list_page
-from billing.batch_store import FileInfo
-from billing.tenants import is_storable
+from sluice.api.auth import Principal, require_principal
+from sluice.api.batch_objects import Object, file_deleted, file_object
+from sluice.api.errors import InvalidRequest, NotFound
+from sluice.api.routes.batches import (
+    BatchControl,
+    BatchLimits,
+    batch_control,
+    by_object_id,
+    list_page,
+)
+from sluice.storage.batches import FileInfo
+from sluice.storage.tenants import is_storable
 
 router = APIRouter(prefix="/v1", tags=["files"])
 

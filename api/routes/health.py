@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import Gateway, gateway
+from sluice.api.deps import Gateway, gateway
 
 router = APIRouter(tags=["health"])
 

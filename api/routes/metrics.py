@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-import tracing.metrics  # noqa: F401  (defines the metrics, so a fresh process shows them all)
+import sluice.tracing.metrics  # noqa: F401  (defines the metrics, so a fresh process shows them all)
 
 router = APIRouter(tags=["metrics"], include_in_schema=False)
 

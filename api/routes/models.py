@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from api.auth import require_principal
-from api.deps import Gateway, gateway
-from api.served import ServedModel
+from sluice.api.auth import require_principal
+from sluice.api.deps import Gateway, gateway
+from sluice.api.served import ServedModel
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_principal)], tags=["models"])
 

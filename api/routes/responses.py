@@ -19,22 +19,22 @@ from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api import output, prepare, structured, tools
-from api.auth import Principal, authenticate
-from api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from api.errors import APIError
-from api.output import OutputPlan
-from api.prepare import Call
-from api.responses_format import ResponsesFormat, text_format_type
-from api.routes import chat
-from api.schemas import (
+from sluice.api import output, prepare, structured, tools
+from sluice.api.auth import Principal, authenticate
+from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
+from sluice.api.errors import APIError
+from sluice.api.output import OutputPlan
+from sluice.api.prepare import Call
+from sluice.api.responses_format import ResponsesFormat, text_format_type
+from sluice.api.routes import chat
+from sluice.api.schemas import (
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
     ResponseInputMessage,
     ResponsesRequest,
 )
-from api.served import ServedModel
-from api.streaming import (
+from sluice.api.served import ServedModel
+from sluice.api.streaming import (
     PING,
     SSEResponse,
     WsSession,
@@ -44,7 +44,7 @@ from api.streaming import (
     ws_error,
     ws_refusal,
 )
-from bus.messages import SamplingSpec
+from sluice.bus.messages import SamplingSpec
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["responses"])

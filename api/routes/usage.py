@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
-from api.auth import Principal, require_principal
-from api.deps import Gateway, gateway
-from api.errors import NotFound
-from billing import admin
-from billing.db import Database
+from sluice.api.auth import Principal, require_principal
+from sluice.api.deps import Gateway, gateway
+from sluice.api.errors import NotFound
+from sluice.billing import admin
+from sluice.storage.db import Database
 
 router = APIRouter(prefix="/v1", tags=["usage"])
 

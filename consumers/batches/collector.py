@@ -29,18 +29,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from api.errors import APIError, RequestCancelled
-from api.generation import Generation, Track, accept
-from api.served import ServedModel
-from billing.batch_budget import BatchBudget
-from billing.batch_store import BatchInfo, BatchStore, LineInfo, LineOutcome
-from billing.errors import StoreUnavailable
-from bus.base import Consumer, EventBus, TopicPartition, TopicSpec
-from bus.codec import decode_as
-from bus.errors import BusError
-from bus.messages import FinishReason, TokenDelta, TokenDeltaBatch, Usage
-from bus.topics import reply_topic
-from consumers.batches.lines import (
+from sluice.api.errors import APIError, RequestCancelled
+from sluice.api.generation import Generation, Track, accept
+from sluice.api.served import ServedModel
+from sluice.billing.batch_budget import BatchBudget
+from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
+from sluice.bus.codec import decode_as
+from sluice.bus.errors import BusError
+from sluice.bus.messages import FinishReason, TokenDelta, TokenDeltaBatch, Usage
+from sluice.bus.topics import reply_topic
+from sluice.consumers.batches.lines import (
     BATCH_REPLY_TARGET,
     LineStopped,
     answer_body,
@@ -54,13 +52,15 @@ from consumers.batches.lines import (
     unrun_line,
     usage_object,
 )
-from consumers.batches.runner import (
+from sluice.consumers.batches.runner import (
     CANCELLED_MESSAGE,
     EXPIRED_MESSAGE,
     STOPPED_CANCELLED_MESSAGE,
     STOPPED_EXPIRED_MESSAGE,
 )
-from tracing.metrics import ACTIVE_BATCH_STATUSES, count_batch_lines, set_batch_counts
+from sluice.storage.batches import BatchInfo, BatchStore, LineInfo, LineOutcome
+from sluice.storage.errors import StoreUnavailable
+from sluice.tracing.metrics import ACTIVE_BATCH_STATUSES, count_batch_lines, set_batch_counts
 
 logger = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.auth import Principal
-from api.deps import Gateway
-from api.errors import APIError, InvalidRequest, RequestCancelled, error_for_finish
-from api.formatting import ChatFormat, CompletionFormat, usage
-from api.generation import ChoiceResult
-from api.prepare import Call, encode_prompts, lane_for
-from api.responses_format import ResponsesFormat
-from api.routes import chat, completions, responses
-from api.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from api.served import ServedModel
-from bus.topics import Lane
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway
+from sluice.api.errors import APIError, InvalidRequest, RequestCancelled, error_for_finish
+from sluice.api.formatting import ChatFormat, CompletionFormat, usage
+from sluice.api.generation import ChoiceResult
+from sluice.api.prepare import Call, encode_prompts, lane_for
+from sluice.api.responses_format import ResponsesFormat
+from sluice.api.routes import chat, completions, responses
+from sluice.api.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from sluice.api.served import ServedModel
+from sluice.bus.topics import Lane
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 BATCH_REPLY_TARGET = "batches"  # the engine's deltas for batch lines: sluice.tokens.batches.v1

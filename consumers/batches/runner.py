@@ -21,20 +21,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from api.auth import Principal
-from api.deps import Gateway
-from api.errors import APIError
-from api.prepare import RequestLimits
-from api.served import ModelCatalog, ServedModel
-from api.service import GatewayService
-from api.tenancy import denial
-from billing.batch_budget import BatchBudget
-from billing.batch_store import BatchInfo, BatchStore, LineOutcome, NewLine, now_s
-from bus.base import Delivered, EventBus
-from bus.codec import encode
-from bus.messages import Cancel, GenerateRequest
-from bus.topics import CONTROL_TOPIC, Lane, request_topic
-from consumers.batches.lines import (
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway
+from sluice.api.errors import APIError
+from sluice.api.prepare import RequestLimits
+from sluice.api.served import ModelCatalog, ServedModel
+from sluice.api.service import GatewayService
+from sluice.api.tenancy import denial
+from sluice.billing.batch_budget import BatchBudget
+from sluice.bus.base import Delivered, EventBus
+from sluice.bus.codec import encode
+from sluice.bus.messages import Cancel, GenerateRequest
+from sluice.bus.topics import CONTROL_TOPIC, Lane, request_topic
+from sluice.consumers.batches.lines import (
     BATCH_REPLY_TARGET,
     PreparedLine,
     line_error,
@@ -44,8 +43,9 @@ from consumers.batches.lines import (
     refused_line,
     unrun_line,
 )
-from tracing.propagation import inject_headers
-from tracing.spans import SendSpan
+from sluice.storage.batches import BatchInfo, BatchStore, LineOutcome, NewLine, now_s
+from sluice.tracing.propagation import inject_headers
+from sluice.tracing.spans import SendSpan
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from celery import Celery
 
-from api.routes.batches import BatchLimits
-from billing.batch_store import BatchInfo, BatchStore
-from consumers.batches.collector import BatchCollector
-from consumers.batches.runner import BatchRunner
+from sluice.api.routes.batches import BatchLimits
+from sluice.consumers.batches.collector import BatchCollector
+from sluice.consumers.batches.runner import BatchRunner
+from sluice.storage.batches import BatchInfo, BatchStore
 
 logger = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from collections import OrderedDict
 
 from opentelemetry import trace
 
-from bus.base import EventBus, Record
-from bus.codec import decode_as
-from bus.messages import Message, TelemetryRecord
-from bus.topics import TELEMETRY_TOPIC
-from consumers.loop import ConsumeLoop
-from consumers.tracing.spans import emit_attempt_spans
+from sluice.bus.base import EventBus, Record
+from sluice.bus.codec import decode_as
+from sluice.bus.messages import Message, TelemetryRecord
+from sluice.bus.topics import TELEMETRY_TOPIC
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.tracing.spans import emit_attempt_spans
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from bus.messages import TelemetryRecord
-from bus.topics import request_topic
-from tracing import spans as names
-from tracing.propagation import Headers, extract_context
+from sluice.bus.messages import TelemetryRecord
+from sluice.bus.topics import request_topic
+from sluice.tracing import spans as names
+from sluice.tracing.propagation import Headers, extract_context
 
 # the baggage entry the gateway sets per route (chat or text_completion); a request
 # without it (a batch line, an older gateway) is a completion over token ids

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from engine.errors import EngineDeadError, EngineError, RequestRejectedError
-from engine.sampling import SamplingParams, SamplingParamsError
+from sluice.engine.errors import EngineDeadError, EngineError, RequestRejectedError
+from sluice.engine.sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
     "DeltaChannel",

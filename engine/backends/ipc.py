@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.backends.base import EngineDelta, EngineRequest, EngineStats
-from engine.config import EngineConfig
-from engine.options import EngineOptions
+from sluice.engine.backends.base import EngineDelta, EngineRequest, EngineStats
+from sluice.engine.config import EngineConfig
+from sluice.engine.options import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     DeltaChannel,
     EngineDeadError,
     EngineDelta,
@@ -44,7 +44,7 @@ from engine.backends.base import (
     check_request,
     terminal_delta,
 )
-from engine.backends.ipc import (
+from sluice.engine.backends.ipc import (
     AbortRequest,
     AddRequest,
     Command,
@@ -298,8 +298,8 @@ def _engine_main(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
-    from engine.backends.torch_backend import TorchEngineBackend, apply_process_options
-    from engine.cpus import pin_process
+    from sluice.engine.backends.torch_backend import TorchEngineBackend, apply_process_options
+    from sluice.engine.cpus import pin_process
 
     options = spec.options
     if options.cpus:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     DeltaChannel,
     EngineBackend,
     EngineDeadError,
@@ -36,7 +36,7 @@ from engine.backends.base import (
     EngineRequest,
     EngineStats,
 )
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 
 __all__ = ["Replica", "ReplicatedBackend", "replica_specs"]
 

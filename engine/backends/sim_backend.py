@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDeadError,
     EngineDelta,
     EngineRequest,
@@ -39,8 +39,8 @@ from engine.backends.base import (
     queued_batches,
     terminal_delta,
 )
-from engine.backends.sim.core import SimCore
-from engine.backends.sim.presets import DEFAULT_PRESET, SIM_PRESETS, SimPreset
+from sluice.engine.backends.sim.core import SimCore
+from sluice.engine.backends.sim.presets import DEFAULT_PRESET, SIM_PRESETS, SimPreset
 
 __all__ = ["SIM_PRESETS", "SimEngineBackend", "SimPreset"]
 

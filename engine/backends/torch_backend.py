@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     DeltaChannel,
     EngineDeadError,
     EngineDelta,
@@ -34,10 +34,10 @@ from engine.backends.base import (
     check_request,
     terminal_delta,
 )
-from engine.config import EngineConfig
-from engine.cpus import pin_this_thread
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.options import EngineOptions
+from sluice.engine.config import EngineConfig
+from sluice.engine.cpus import pin_this_thread
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.options import EngineOptions
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ class TorchEngineBackend:
         options: EngineOptions | None = None,
     ) -> TorchEngineBackend:
         """Load a Hugging Face directory or the `tiny-llama` preset and build the engine."""
-        from engine.loader import load_model
-        from engine.runner.model_runner import ModelRunner
-        from engine.structured import GrammarCompiler
+        from sluice.engine.loader import load_model
+        from sluice.engine.runner.model_runner import ModelRunner
+        from sluice.engine.structured import GrammarCompiler
 
         config = config or EngineConfig()
         loaded = load_model(
@@ -277,7 +277,7 @@ def apply_process_options(options: EngineOptions) -> None:
     loads."""
     import torch
 
-    from engine import kernels
+    from sluice.engine import kernels
 
     if options.torch_threads is not None:
         torch.set_num_threads(options.torch_threads)

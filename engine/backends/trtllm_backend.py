@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDeadError,
     EngineDelta,
     EngineRequest,
@@ -57,7 +57,7 @@ from engine.backends.base import (
     queued_batches,
     terminal_delta,
 )
-from engine.sampling import Constraint, generator_seed
+from sluice.engine.sampling import Constraint, generator_seed
 
 __all__ = ["TrtllmEngineBackend"]
 

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import httpx
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDeadError,
     EngineDelta,
     EngineRequest,
@@ -53,7 +53,7 @@ from engine.backends.base import (
     queued_batches,
     terminal_delta,
 )
-from engine.sampling import Constraint
+from sluice.engine.sampling import Constraint
 
 __all__ = ["Dialect", "UpstreamEngineBackend", "completion_body", "structured_body"]
 
@@ -634,7 +634,7 @@ class UpstreamEngineBackend:
     def _detokenizer(self, request: EngineRequest) -> Any:
         """Text for `request`'s new tokens, stop strings held back: a resume replays the
         earlier attempt's tokens first, as the engine's own detokenizer does."""
-        from engine.tokenizer import IncrementalDetokenizer
+        from sluice.engine.tokenizer import IncrementalDetokenizer
 
         prompt, resumed = request.prompt_token_ids, request.num_resumed_tokens
         stop = request.sampling_params.stop

@@ -17,7 +17,7 @@ import os
 from array import array
 from collections.abc import Sequence
 
-from engine.core.request import Request
+from sluice.engine.core.request import Request
 
 _DIGEST_SIZE = 16
 

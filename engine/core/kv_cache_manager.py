@@ -7,8 +7,8 @@ finishes or is preempted. The block-id lists it keeps are what the runner reads.
 
 from __future__ import annotations
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.core.request import Request
+from sluice.engine.core.block_pool import BlockPool, KVCacheBlock
+from sluice.engine.core.request import Request
 
 
 class KVCacheManager:

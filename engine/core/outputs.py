@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import Request
+from sluice.engine.core.request import Request
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams
+from sluice.engine.sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.core.request import Request
+from sluice.engine.core.request import Request
 
 
 class RequestQueue(Protocol):

@@ -33,13 +33,13 @@ import itertools
 import logging
 import time
 
-from engine.config import EngineConfig
-from engine.core.hashing import BlockHasher
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import make_request_queue
-from engine.errors import RequestRejectedError
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.hashing import BlockHasher
+from sluice.engine.core.kv_cache_manager import KVCacheManager
+from sluice.engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from sluice.engine.core.request import Request, RequestStatus
+from sluice.engine.core.request_queue import make_request_queue
+from sluice.engine.errors import RequestRejectedError
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from engine.options import EngineOptions
+from sluice.engine.options import EngineOptions
 
 logger = logging.getLogger(__name__)
 

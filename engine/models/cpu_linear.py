@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
-from engine.models.hugepages import huge_pages_for_new_memory
+from sluice.engine import kernels
+from sluice.engine.models.hugepages import huge_pages_for_new_memory
 
 logger = logging.getLogger(__name__)
 

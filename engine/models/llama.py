@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import CpuOps, DecodePlan, LayerWeights, ProjWeights
-from engine.runner.attention import AttentionMetadata, paged_attention
+from sluice.engine.kernels import CpuOps, DecodePlan, LayerWeights, ProjWeights
+from sluice.engine.runner.attention import AttentionMetadata, paged_attention
 
 
 class UnsupportedModelError(ValueError):

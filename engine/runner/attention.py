@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.kernels import CpuOps, DecodePlan
+    from sluice.engine.kernels import CpuOps, DecodePlan
 
 
 @dataclass(slots=True)

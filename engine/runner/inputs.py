@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import kernels
-from engine.core.outputs import ScheduledRequest, SchedulerOutput
-from engine.runner.attention import AttentionGroup, AttentionMetadata
+from sluice.engine import kernels
+from sluice.engine.core.outputs import ScheduledRequest, SchedulerOutput
+from sluice.engine.runner.attention import AttentionGroup, AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -16,30 +16,30 @@ from concurrent.futures import Future
 
 import torch
 
-from engine import kernels
-from engine.config import EngineConfig
-from engine.core.outputs import (
+from sluice.engine import kernels
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.outputs import (
     PromptLogprobsChunk,
     RunnerOutput,
     SampledToken,
     ScheduledRequest,
     SchedulerOutput,
 )
-from engine.core.request import Request
-from engine.errors import RequestRejectedError
-from engine.logits import LogitsProcessor, output_token_ids, winding_up
-from engine.models.cpu_linear import (
+from sluice.engine.core.request import Request
+from sluice.engine.errors import RequestRejectedError
+from sluice.engine.logits import LogitsProcessor, output_token_ids, winding_up
+from sluice.engine.models.cpu_linear import (
     PackedLinear,
     native_low_precision,
     pack_linears,
 )
-from engine.models.llama import LlamaConfig, LlamaForCausalLM
-from engine.options import EngineOptions
-from engine.quantization import Int8Linear
-from engine.runner.inputs import StepInputs, prepare_inputs
-from engine.sampler import Sampler, greedy_tokens
-from engine.sampling import SamplingParams, generator_seed
-from engine.structured import GrammarCompiler, RequestMatcher, StructuredOutputError
+from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from sluice.engine.options import EngineOptions
+from sluice.engine.quantization import Int8Linear
+from sluice.engine.runner.inputs import StepInputs, prepare_inputs
+from sluice.engine.sampler import Sampler, greedy_tokens
+from sluice.engine.sampling import SamplingParams, generator_seed
+from sluice.engine.structured import GrammarCompiler, RequestMatcher, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from bus.tansu import free_port
+from sluice.tansu import free_port
 
 API_KEY = "sk-e2e-key"
 

@@ -23,10 +23,10 @@ import sqlalchemy as sa
 
 from benchmarks.faults import ADMIN_URL
 from benchmarks.faults_infra import RedisServer, busiest
-from bus.codec import decode_as
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC
+from sluice.bus.codec import decode_as
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
 from tests.e2e.batch_checks import (
     chat_line,
     check_each_once,

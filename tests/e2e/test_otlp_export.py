@@ -27,9 +27,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from bus.errors import BusUnavailable
-from bus.tansu import tansu_binary
+from sluice.bus.errors import BusUnavailable
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import tansu_binary
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving, serving_args, wait_ready
 from tests.e2e.test_serve_engine_restart import engine_pids
 from tests.services import service_missing

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.errors import BusUnavailable
-from bus.tansu import tansu_binary
+from sluice.bus.errors import BusUnavailable
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import tansu_binary
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing
 

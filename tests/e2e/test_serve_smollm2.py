@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.model_files import SMOLLM2, load_tokenizer
+from sluice.engine.model_files import SMOLLM2, load_tokenizer
 from tests.e2e.batch_checks import content_of, jsonl, results, submit, wait
 from tests.e2e.procs import API_KEY, serving
 

@@ -27,7 +27,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from benchmarks.schemas import by_name
-from engine.model_files import SMOLLM2
+from sluice.engine.model_files import SMOLLM2
 from tests.e2e.batch_checks import jsonl, results, submit, wait
 from tests.e2e.procs import API_KEY, serving
 

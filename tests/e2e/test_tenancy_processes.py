@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from billing.health import check_database, check_redis
+from sluice.storage.health import check_database, check_redis
 from tests.e2e.procs import SluiceProcess, free_port, wait_ready
-from tests.integration.billing.stores import DATABASE_URL, REDIS_URL, pg_schema
+from tests.integration.storage.stores import DATABASE_URL, REDIS_URL, pg_schema
 from tests.services import service_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]

@@ -20,13 +20,13 @@ import openai
 import pytest
 
 from benchmarks.faults_infra import busiest, with_children
-from bus.codec import decode_as
-from bus.errors import BusUnavailable
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.messages import UsageRecord
-from bus.tansu import tansu_binary
-from bus.topics import USAGE_TOPIC
+from sluice.bus.codec import decode_as
+from sluice.bus.errors import BusUnavailable
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
 from sluice.settings import BusSettings, load_settings
+from sluice.tansu import tansu_binary
 from tests.e2e import sdk_checks
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing

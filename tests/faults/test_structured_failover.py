@@ -19,10 +19,10 @@ import pytest
 
 from benchmarks.faults import create_database, drop_database, kill_worker
 from benchmarks.faults_infra import API_KEY, Fleet
-from bus.codec import decode_as
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC
+from sluice.bus.codec import decode_as
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleet_services")]
 

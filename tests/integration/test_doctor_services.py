@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from billing.health import check_database, check_redis
 from sluice.cli import app
+from sluice.storage.health import check_database, check_redis
 from tests.services import service_missing
 
 DATABASE_URL = os.environ.get(

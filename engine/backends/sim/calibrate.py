@@ -14,10 +14,10 @@ import argparse
 import dataclasses
 import math
 
-from engine.backends.base import EngineRequest
-from engine.backends.sim.core import SimCore
-from engine.backends.sim.presets import PUBLISHED_TOKENS_PER_S, SIM_PRESETS, SimPreset
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.backends.sim.core import SimCore
+from sluice.engine.backends.sim.presets import PUBLISHED_TOKENS_PER_S, SIM_PRESETS, SimPreset
+from sluice.engine.sampling import SamplingParams
 
 _COEFFICIENTS = ("base_ms", "per_token_us", "per_kv_token_ns", "per_pair_ps")
 

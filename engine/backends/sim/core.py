@@ -28,14 +28,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDelta,
     EngineRequest,
     FinishReason,
     RequestRejectedError,
     TokenLogprob,
 )
-from engine.backends.sim.presets import SimPreset
+from sluice.engine.backends.sim.presets import SimPreset
 
 _ALPHABET_SIZE = 256
 _STRIDE = 40_503  # odd: walks the whole alphabet before a token repeats

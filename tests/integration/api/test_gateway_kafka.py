@@ -18,11 +18,11 @@ import httpx
 import openai
 import pytest
 
-from api.app import create_app
 from benchmarks.faults_infra import Broker, TcpProxy
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.tansu import free_port
-from bus.topics import Lane, TopicLayout, request_topic
+from sluice.api.app import create_app
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.topics import Lane, TopicLayout, request_topic
+from sluice.tansu import free_port
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from api.app import create_app
-from bus.codec import encode
-from bus.memory import MemoryEventBus
-from bus.messages import TokenDelta, TokenDeltaBatch, Usage
-from bus.topics import Lane, TopicLayout, reply_topic, request_topic
+from sluice.api.app import create_app
+from sluice.bus.codec import encode
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import TokenDelta, TokenDeltaBatch, Usage
+from sluice.bus.topics import Lane, TopicLayout, reply_topic, request_topic
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 

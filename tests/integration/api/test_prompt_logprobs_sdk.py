@@ -18,10 +18,10 @@ from typing import Any
 import openai
 import pytest
 
-from api.app import create_app
-from api.served import ServedModel
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.api.app import create_app
+from sluice.api.served import ServedModel
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import ServerThread
 
@@ -32,10 +32,10 @@ PROMPT = "The quick brown fox jumps over"
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    from engine.backends.torch_backend import TorchEngineBackend
-    from engine.config import EngineConfig
-    from engine.preset import ensure_tiny_llama
-    from engine.tokenizer import Tokenizer
+    from sluice.engine.backends.torch_backend import TorchEngineBackend
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.preset import ensure_tiny_llama
+    from sluice.engine.tokenizer import Tokenizer
     from tests.unit.consumers.engine_harness import WorkerThread
 
     data = tmp_path_factory.mktemp("data")

@@ -18,10 +18,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from api.app import create_app
-from api.served import ServedModel
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.api.app import create_app
+from sluice.api.served import ServedModel
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 
@@ -239,10 +239,10 @@ def test_responses_function_call_round_trip(
 # -- the real engine -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_parse_on_the_real_engine(tmp_path: Path) -> None:
-    from engine.backends.torch_backend import TorchEngineBackend
-    from engine.config import EngineConfig
-    from engine.preset import ensure_tiny_llama
-    from engine.tokenizer import Tokenizer
+    from sluice.engine.backends.torch_backend import TorchEngineBackend
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.preset import ensure_tiny_llama
+    from sluice.engine.tokenizer import Tokenizer
     from tests.unit.consumers.engine_harness import WorkerThread
 
     bus = MemoryEventBus()

@@ -15,23 +15,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.app import create_app
 from benchmarks.faults_infra import TcpProxy
-from billing.admission import AdmissionService
-from billing.db import Database
-from billing.keys import KeyAuthenticator
-from billing.ledger import UsageLedger
-from billing.prices import PriceBook, PriceCache
-from billing.quotas import QuotaStore
-from bus.codec import decode_as
-from bus.memory import MemoryEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC, TopicLayout
-from consumers.billing import billing_loop
-from consumers.engine_worker import EngineWorkerConfig
-from consumers.loop import ConsumeLoop
-from consumers.quotas import quotas_loop
-from engine.backends.base import EngineDelta
+from sluice.api.app import create_app
+from sluice.billing.admission import AdmissionService
+from sluice.bus.codec import decode_as
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC, TopicLayout
+from sluice.consumers.billing import billing_loop
+from sluice.consumers.engine_worker import EngineWorkerConfig
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.quotas import quotas_loop
+from sluice.engine.backends.base import EngineDelta
+from sluice.storage.db import Database
+from sluice.storage.keys import KeyAuthenticator
+from sluice.storage.ledger import UsageLedger
+from sluice.storage.prices import PriceBook, PriceCache
+from sluice.storage.quotas import QuotaStore
 from tests.unit.api.conftest import gateway_settings
 from tests.unit.api.fakes import ServerThread, served_model
 from tests.unit.consumers.engine_fakes import FakeEngineBackend

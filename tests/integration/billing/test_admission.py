@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from billing.admission import open_admission
-from billing.db import Database, embedded_url
-from billing.errors import AuthenticationFailed
-from billing.keys import KeyRepository
-from billing.prices import PriceBook
-from billing.tenants import PlanLimits, TenantRepository
-from bus.messages import Timings, Usage, UsageRecord
-from bus.topics import Lane
+from sluice.billing.admission import open_admission
+from sluice.bus.messages import Timings, Usage, UsageRecord
+from sluice.bus.topics import Lane
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.errors import AuthenticationFailed
+from sluice.storage.keys import KeyRepository
+from sluice.storage.prices import PriceBook
+from sluice.storage.tenants import PlanLimits, TenantRepository
 
 
 def test_embedded_admission_end_to_end(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from billing.db import Database, make_engine
-from billing.keys import KeyAuthenticator
-from billing.ledger import UsageLedger
 from sluice.cli_billing import register
+from sluice.storage.db import Database, make_engine
+from sluice.storage.keys import KeyAuthenticator
+from sluice.storage.ledger import UsageLedger
 from tests.integration.billing.usage_data import make_usages
 
 
@@ -34,7 +34,7 @@ def cli_env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.
     monkeypatch.delenv("SLUICE_DATABASE_URL", raising=False)
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'sluice.db'}"
-    from tests.integration.billing.stores import pg_schema
+    from tests.integration.storage.stores import pg_schema
 
     request.getfixturevalue("pg_database")  # skips/fails when PostgreSQL is missing
     schema = pg_schema("sluice_cli")

@@ -8,20 +8,20 @@ from decimal import Decimal
 import pytest
 import sqlalchemy as sa
 
-from billing.admission import UsageSettler
-from billing.db import Database
-from billing.ledger import UsageLedger
-from billing.models import UsageEntry
-from billing.prices import Price, PriceBook, PriceCache
-from billing.quota_memory import MemoryQuotaStore
-from billing.quotas import Reservation
-from billing.tenants import PlanLimits
-from bus.base import EventBus, TopicSpec
-from bus.codec import encode
-from bus.messages import UsageRecord
-from consumers.billing import BillingHandler, billing_loop
-from consumers.loop import ConsumeLoop
-from consumers.quotas import quotas_loop
+from sluice.billing.admission import UsageSettler
+from sluice.bus.base import EventBus, TopicSpec
+from sluice.bus.codec import encode
+from sluice.bus.messages import UsageRecord
+from sluice.consumers.billing import BillingHandler, billing_loop
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.quotas import quotas_loop
+from sluice.storage.db import Database
+from sluice.storage.ledger import UsageLedger
+from sluice.storage.prices import Price, PriceBook, PriceCache
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.quotas import Reservation
+from sluice.storage.tables import UsageEntry
+from sluice.storage.tenants import PlanLimits
 from tests.integration.billing.usage_data import make_usages
 from tests.integration.bus.drain import wait_until
 
@@ -155,7 +155,7 @@ def test_usage_topic_replayed_twice_leaves_the_ledger_unchanged(
 
 
 def test_quota_consumer_replays_count_once(db: Database, topic: str, group: str) -> None:
-    from bus.memory import MemoryEventBus
+    from sluice.bus.memory import MemoryEventBus
 
     bus = MemoryEventBus()
     set_prices(db)
@@ -177,7 +177,7 @@ def test_quota_consumer_replays_count_once(db: Database, topic: str, group: str)
 
 
 def _usage(u: UsageRecord):  # type: ignore[no-untyped-def]
-    from bus.messages import Usage
+    from sluice.bus.messages import Usage
 
     return Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                  completion_tokens=u.completion_tokens)  # fmt: skip
@@ -185,11 +185,11 @@ def _usage(u: UsageRecord):  # type: ignore[no-untyped-def]
 
 def _bus(request: pytest.FixtureRequest, kind: str) -> EventBus:
     if kind == "memory":
-        from bus.memory import MemoryEventBus
+        from sluice.bus.memory import MemoryEventBus
 
         bus = MemoryEventBus()
     else:
-        from bus.kafka import KafkaConfig, KafkaEventBus
+        from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 
         bootstrap = request.getfixturevalue("kafka_bootstrap")
         bus = KafkaEventBus(KafkaConfig(bootstrap=bootstrap, client_id="sluice-test"))
@@ -200,8 +200,8 @@ def _bus(request: pytest.FixtureRequest, kind: str) -> EventBus:
 def _db(request: pytest.FixtureRequest, kind: str) -> Database:
     from pathlib import Path
 
-    from billing.db import make_engine, migrate
-    from tests.integration.billing.conftest import empty
+    from sluice.storage.db import make_engine, migrate
+    from tests.integration.storage.stores import empty
 
     if kind == "postgresql":
         pg: Database = request.getfixturevalue("pg_database")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 
-from billing import admin
-from billing.db import Database
-from billing.quota_memory import MemoryQuotaStore
+from sluice.billing import admin
+from sluice.storage.db import Database
+from sluice.storage.quota_memory import MemoryQuotaStore
 from tests.integration.billing.conftest import ADMIN, STATIC
 from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
 from tests.integration.billing.test_gateway_tenancy import auth, chat

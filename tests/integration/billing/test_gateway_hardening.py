@@ -10,18 +10,19 @@ from typing import Any
 import httpx
 import pytest
 
-import api.service
-import tracing.spans
 from benchmarks.faults_infra import TcpProxy
-from billing import admin
-from billing.db import Database
-from billing.errors import InvalidInput, NotFound, StoreUnavailable
-from billing.keys import KeyAuthenticator
-from billing.quota_memory import MemoryQuotaStore
-from bus.memory import MemoryEventBus
-from tests.integration.billing.conftest import ADMIN, empty
+from sluice.api import service as api_service
+from sluice.billing import admin
+from sluice.bus.memory import MemoryEventBus
+from sluice.storage.db import Database
+from sluice.storage.errors import InvalidInput, NotFound, StoreUnavailable
+from sluice.storage.keys import KeyAuthenticator
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.tracing import spans as tracing_spans
+from tests.integration.billing.conftest import ADMIN
 from tests.integration.billing.gateway_stack import Stack, start_stack
 from tests.integration.billing.test_gateway_tenancy import auth, chat
+from tests.integration.storage.stores import empty
 
 
 def _boom(*args: Any, **kwargs: Any) -> Any:
@@ -36,8 +37,8 @@ def _failed_future(*args: Any, **kwargs: Any) -> Future[None]:
 
 # each step between admission and a tracked, published request
 INJECTIONS: dict[str, Callable[[pytest.MonkeyPatch, MemoryEventBus], None]] = {
-    "trace headers": lambda mp, bus: mp.setattr(tracing.spans, "inject_headers", _boom),
-    "encode": lambda mp, bus: mp.setattr(api.service, "encode", _boom),
+    "trace headers": lambda mp, bus: mp.setattr(tracing_spans, "inject_headers", _boom),
+    "encode": lambda mp, bus: mp.setattr(api_service, "encode", _boom),
     "publish raises": lambda mp, bus: mp.setattr(bus, "publish", _boom),
     "publish fails later": lambda mp, bus: mp.setattr(bus, "publish", _failed_future),
 }

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 
-from billing import admin
-from billing.db import Database
-from billing.quotas import Reservation
-from billing.tenants import PlanLimits
+from sluice.billing import admin
+from sluice.storage.db import Database
+from sluice.storage.quotas import Reservation
+from sluice.storage.tenants import PlanLimits
 from tests.integration.billing.gateway_stack import MODEL, Stack
 from tests.integration.billing.test_gateway_tenancy import auth, chat
 

@@ -23,14 +23,14 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from billing import admin
-from billing.db import Database, embedded_url
-from billing.models import UsageEntry
-from billing.quota_memory import MemoryQuotaStore
-from billing.quota_redis import RedisQuotaStore
+from sluice.billing import admin
 from sluice.cli import app as cli_app
-from tests.integration.billing.conftest import empty
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.quota_redis import RedisQuotaStore
+from sluice.storage.tables import UsageEntry
 from tests.integration.billing.gateway_stack import MODEL, RedisProxy, Stack, start_stack
+from tests.integration.storage.stores import empty
 
 RATE_HEADERS = {
     f"x-ratelimit-{kind}-{dim}"

@@ -9,9 +9,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from billing.db import Database
-from billing.ledger import UsageLedger, usage_day
-from billing.reports import render_csv, render_png, render_table, usage_report
+from sluice.billing.reports import render_csv, render_png, render_table
+from sluice.storage.db import Database
+from sluice.storage.ledger import UsageLedger, usage_day
+from sluice.storage.usage import usage_report
 from tests.integration.billing.test_consumers import ledger_snapshot, set_prices
 from tests.integration.billing.usage_data import make_usages
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from bus.messages import Timings, UsageRecord
-from bus.topics import Lane
+from sluice.bus.messages import Timings, UsageRecord
+from sluice.bus.topics import Lane
 
 DAY_MS = 86_400_000
 START_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bus.base import Consumer, Record, TopicPartition
+from sluice.bus.base import Consumer, Record, TopicPartition
 
 
 @dataclass

@@ -9,11 +9,11 @@ from collections import defaultdict
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from bus.base import EventBus, Record, TopicPartition, TopicSpec
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.bus.base import EventBus, Record, TopicPartition, TopicSpec
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
+from sluice.tracing.propagation import extract_context, inject_headers
 from tests.integration.bus.drain import Member, wait_until
-from tracing.propagation import extract_context, inject_headers
 
 SETTLE_S = 60.0  # Kafka group joins take seconds (docs/architecture.md §2); memory is instant
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from bus.base import Record, TopicSpec
-from bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.base import Record, TopicSpec
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 
 pytestmark = pytest.mark.kafka
 

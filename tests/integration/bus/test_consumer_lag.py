@@ -3,7 +3,7 @@ also while a partition is paused (the engine worker pauses exactly as its backlo
 
 from __future__ import annotations
 
-from bus.base import EventBus, Record, TopicPartition, TopicSpec
+from sluice.bus.base import EventBus, Record, TopicPartition, TopicSpec
 from tests.integration.bus.drain import wait_until
 
 

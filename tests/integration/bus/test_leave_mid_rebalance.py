@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from bus.base import TopicSpec
-from bus.kafka import KafkaConfig, KafkaConsumer, KafkaEventBus
+from sluice.bus.base import TopicSpec
+from sluice.bus.kafka import KafkaConfig, KafkaConsumer, KafkaEventBus
 
 pytestmark = pytest.mark.kafka
 

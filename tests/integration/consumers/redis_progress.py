@@ -6,7 +6,7 @@ import os
 import uuid
 from collections.abc import Iterator
 
-from consumers.progress import RedisProgressStore
+from sluice.consumers.progress import RedisProgressStore
 from tests.services import service_missing
 
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

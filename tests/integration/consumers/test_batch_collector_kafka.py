@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from billing.batch_store import BatchInfo, BatchStore, NewLine
-from billing.db import Database, make_engine, migrate
-from billing.health import check_database
-from bus.base import Consumer, Record, TopicPartition, TopicSpec
-from bus.kafka import KafkaConfig, KafkaEventBus
-from consumers.batches.collector import BatchCollector
-from tests.integration.billing.stores import DATABASE_URL, pg_schema
+from sluice.bus.base import Consumer, Record, TopicPartition, TopicSpec
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.consumers.batches.collector import BatchCollector
+from sluice.storage.batches import BatchInfo, BatchStore, NewLine
+from sluice.storage.db import Database, make_engine, migrate
+from sluice.storage.health import check_database
+from tests.integration.storage.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 from tests.unit.api.fakes import served_model
 from tests.unit.consumers.batch_replies import TOPIC, delta, publish

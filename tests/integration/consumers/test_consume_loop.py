@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from bus.base import EventBus, Record, TopicSpec
-from bus.codec import decode_as, encode
-from bus.messages import Message, Timings, UsageRecord
-from bus.topics import Lane, dead_letter_topic
-from consumers.loop import ConsumeLoop, LoopConfig, run_until_signalled
+from sluice.bus.base import EventBus, Record, TopicSpec
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.messages import Message, Timings, UsageRecord
+from sluice.bus.topics import Lane, dead_letter_topic
+from sluice.consumers.loop import ConsumeLoop, LoopConfig, run_until_signalled
 from tests.integration.bus.drain import Member, wait_until
 
 SETTLE_S = 60.0

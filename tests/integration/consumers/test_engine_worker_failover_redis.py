@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.progress import RedisProgressStore
+from sluice.consumers.progress import RedisProgressStore
 from tests.integration.consumers.redis_progress import REDIS_URL, redis_progress_store
 from tests.unit.consumers.failover import run_failover
 

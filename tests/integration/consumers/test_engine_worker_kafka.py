@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.topics import REQUEST_TOPICS, Lane
-from consumers.engine_worker import EngineWorkerConfig
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.topics import REQUEST_TOPICS, Lane
+from sluice.consumers.engine_worker import EngineWorkerConfig
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from consumers.progress import (
+from sluice.consumers.progress import (
     AttemptStart,
     MemoryProgressStore,
     ProgressStore,

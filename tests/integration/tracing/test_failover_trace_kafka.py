@@ -15,16 +15,16 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from bus.codec import encode
-from bus.kafka import KafkaConfig, KafkaEventBus
-from bus.topics import request_topic
-from consumers.engine_worker import EngineWorkerConfig
-from consumers.progress import MemoryProgressStore
-from consumers.tracing.handler import tracing_loop
+from sluice.bus.codec import encode
+from sluice.bus.kafka import KafkaConfig, KafkaEventBus
+from sluice.bus.topics import request_topic
+from sluice.consumers.engine_worker import EngineWorkerConfig
+from sluice.consumers.progress import MemoryProgressStore
+from sluice.consumers.tracing.handler import tracing_loop
+from sluice.tracing.spans import SendSpan, tracer
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 from tests.unit.tracing.memory_spans import parent_of, span_id, trace_id
-from tracing.spans import SendSpan, tracer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -8,9 +8,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.api.app import create_app
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 

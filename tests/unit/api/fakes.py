@@ -19,10 +19,10 @@ from typing import Any
 import uvicorn
 from llguidance import LLMatcher
 
-from api.served import ServedModel
-from bus.base import EventBus
-from bus.codec import decode, encode
-from bus.messages import (
+from sluice.api.served import ServedModel
+from sluice.bus.base import EventBus
+from sluice.bus.codec import decode, encode
+from sluice.bus.messages import (
     Cancel,
     FinishReason,
     GenerateRequest,
@@ -33,9 +33,9 @@ from bus.messages import (
     TopLogprob,
     Usage,
 )
-from bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
-from engine.sampling import Constraint
-from engine.structured import grammar_for
+from sluice.bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
+from sluice.engine.sampling import Constraint
+from sluice.engine.structured import grammar_for
 
 
 class ByteTokenizer:

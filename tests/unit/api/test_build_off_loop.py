@@ -7,7 +7,7 @@ import threading
 
 from starlette.requests import HTTPConnection
 
-from api.deps import INLINE_BUILD_MAX_BYTES, build_off_loop_if_large
+from sluice.api.deps import INLINE_BUILD_MAX_BYTES, build_off_loop_if_large
 
 
 def _conn(headers: dict[str, str]) -> HTTPConnection:

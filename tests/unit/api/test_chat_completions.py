@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from bus.topics import Lane, request_topic
+from sluice.bus.topics import Lane, request_topic
 from tests.unit.api.fakes import ByteTokenizer, FakeEngineWorker
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}

@@ -19,24 +19,24 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from api.app import create_app
-from api.dashboard_data import (
+from sluice.api.app import create_app
+from sluice.api.dashboard_data import (
     ScrapeHistory,
     histogram_quantile,
     parse_scrape,
     queue_depth,
     scrape_all,
 )
-from api.routes import admin as admin_routes
-from api.routes.dashboard import DashboardState
-from billing.batch_store import BatchStore
-from billing.dashboard_queries import tenant_usage_on
-from billing.db import Database, embedded_url
-from billing.ledger import UsageLedger
-from billing.prices import PriceBook
-from billing.reports import usage_report
-from bus.memory import MemoryEventBus
-from bus.topics import Lane, request_topic
+from sluice.api.routes import admin as admin_routes
+from sluice.api.routes.dashboard import DashboardState
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import Lane, request_topic
+from sluice.storage.batches import BatchStore
+from sluice.storage.dashboard import tenant_usage_on
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.ledger import UsageLedger
+from sluice.storage.prices import PriceBook
+from sluice.storage.usage import usage_report
 from tests.integration.billing.usage_data import START_MS, make_usages
 from tests.services import service_missing
 from tests.unit.api.conftest import gateway_settings
@@ -329,7 +329,7 @@ def test_the_grafana_dashboard_loads_and_every_panel_queries_a_datasource() -> N
 
 
 def test_the_contract_metrics_of_this_process_reach_the_data(app: FastAPI) -> None:
-    from tracing import metrics
+    from sluice.tracing import metrics
 
     topic = request_topic(Lane.BATCH)
     with TestClient(app) as client:

@@ -8,8 +8,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from bus.memory import MemoryEventBus
+from sluice.api.app import create_app
+from sluice.bus.memory import MemoryEventBus
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.api.test_chat_completions import CHAT, sse_payloads

@@ -18,16 +18,16 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types import Batch, FileObject
 
-from api.app import create_app
-from api.auth import Principal
-from api.errors import AuthenticationFailed
-from api.openapi import Batch as DocumentedBatch
-from api.openapi import BatchList, FileList
-from api.openapi import FileObject as DocumentedFile
-from api.routes.batches import BatchLimits
-from billing.batch_store import BatchInfo, BatchStore, LineOutcome, NewLine
-from billing.db import Database, embedded_url
-from bus.memory import MemoryEventBus
+from sluice.api.app import create_app
+from sluice.api.auth import Principal
+from sluice.api.errors import AuthenticationFailed
+from sluice.api.openapi import Batch as DocumentedBatch
+from sluice.api.openapi import BatchList, FileList
+from sluice.api.openapi import FileObject as DocumentedFile
+from sluice.api.routes.batches import BatchLimits
+from sluice.bus.memory import MemoryEventBus
+from sluice.storage.batches import BatchInfo, BatchStore, LineOutcome, NewLine
+from sluice.storage.db import Database, embedded_url
 from tests.unit.api.conftest import gateway_settings
 from tests.unit.api.fakes import served_model
 
@@ -482,12 +482,12 @@ def test_create_batch_is_refused_once_the_monthly_budget_is_spent(
     """Issue 33: a tenant refused `insufficient_quota` everywhere else ran a batch to
     11.8x its budget. Creating one is a 429 insufficient_quota now, as OpenAI answers
     any request of an account out of quota; nothing is stored or started."""
-    from billing import admin
-    from billing.admission import AdmissionService
-    from billing.keys import KeyAuthenticator as TenantKeys
-    from billing.prices import PriceBook, PriceCache
-    from billing.quota_memory import MemoryQuotaStore
-    from billing.quotas import Settlement
+    from sluice.billing import admin
+    from sluice.billing.admission import AdmissionService
+    from sluice.storage.keys import KeyAuthenticator as TenantKeys
+    from sluice.storage.prices import PriceBook, PriceCache
+    from sluice.storage.quota_memory import MemoryQuotaStore
+    from sluice.storage.quotas import Settlement
 
     db = Database.connect(embedded_url(tmp_path / "tenancy"), migrate_if_needed=True)
     tenant = admin.create_tenant(db, "acme", monthly_budget_usd="0.0001")  # 100 micro-dollars

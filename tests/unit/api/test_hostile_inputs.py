@@ -15,10 +15,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-import api.deps as api_deps
-from api.app import create_app
-from api.served import ServedModel
-from bus.memory import MemoryEventBus
+import sluice.api.deps as api_deps
+from sluice.api.app import create_app
+from sluice.api.served import ServedModel
+from sluice.bus.memory import MemoryEventBus
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import ByteTokenizer, FakeEngineWorker, ServerThread
 from tests.unit.api.test_chat_completions import CHAT

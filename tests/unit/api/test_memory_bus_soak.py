@@ -15,9 +15,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api import service
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.api import service
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from tests.unit.api.conftest import API_KEY
 from tests.unit.api.fakes import FakeEngineWorker
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.openapi import (
+from sluice.api.openapi import (
     OPERATIONS,
     ChatCompletion,
     Completion,

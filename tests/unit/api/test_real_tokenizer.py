@@ -10,11 +10,11 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.served import ServedModel
-from bus.memory import MemoryEventBus
-from engine.preset import ensure_tiny_llama
-from engine.tokenizer import Tokenizer
+from sluice.api.app import create_app
+from sluice.api.served import ServedModel
+from sluice.bus.memory import MemoryEventBus
+from sluice.engine.preset import ensure_tiny_llama
+from sluice.engine.tokenizer import Tokenizer
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker
 

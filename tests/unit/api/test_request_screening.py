@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.deps import RequestRateGate
-from api.errors import RateLimited
-from billing import admin
-from billing.admission import AdmissionService
-from billing.db import Database, embedded_url
-from billing.keys import KeyAuthenticator, Principal
-from billing.prices import PriceBook, PriceCache
-from billing.quota_memory import MemoryQuotaStore
-from billing.tenants import PlanLimits
-from bus.memory import MemoryEventBus
+from sluice.api.app import create_app
+from sluice.api.deps import RequestRateGate
+from sluice.api.errors import RateLimited
+from sluice.billing import admin
+from sluice.billing.admission import AdmissionService
+from sluice.bus.memory import MemoryEventBus
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.keys import KeyAuthenticator, Principal
+from sluice.storage.prices import PriceBook, PriceCache
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.tenants import PlanLimits
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 

@@ -23,9 +23,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from api.app import create_app
-from api.streaming import WsSession, ws_error
-from bus.memory import MemoryEventBus
+from sluice.api.app import create_app
+from sluice.api.streaming import WsSession, ws_error
+from sluice.bus.memory import MemoryEventBus
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 
@@ -128,7 +128,7 @@ def test_an_exception_in_one_event_is_logged_and_answered(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = Starlette(routes=[WebSocketRoute("/ws", _session)])
-    caplog.set_level(logging.INFO, logger="api.streaming")
+    caplog.set_level(logging.INFO, logger="sluice.api.streaming")
     with TestClient(app) as client, client.websocket_connect("/ws") as ws:
         ws.send_json({"type": "response.create", "boom": True, "stream_id": "a"})
         ws.send_json({"type": "response.create", "stream_id": "a"})

@@ -13,14 +13,14 @@ from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketTestSession
 from starlette.websockets import WebSocketDisconnect
 
-from api.app import create_app
-from billing import admin
-from billing.admission import AdmissionService
-from billing.db import Database, embedded_url
-from billing.keys import KeyAuthenticator
-from billing.prices import PriceBook, PriceCache
-from billing.quota_memory import MemoryQuotaStore
-from bus.memory import MemoryEventBus
+from sluice.api.app import create_app
+from sluice.billing import admin
+from sluice.billing.admission import AdmissionService
+from sluice.bus.memory import MemoryEventBus
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.keys import KeyAuthenticator
+from sluice.storage.prices import PriceBook, PriceCache
+from sluice.storage.quota_memory import MemoryQuotaStore
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 

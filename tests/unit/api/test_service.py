@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-import api.generation
-from api.generation import Generation, StreamEvent, Track
-from api.service import GatewayService
-from bus.codec import decode_as, encode
-from bus.memory import MemoryEventBus
-from bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch, Usage
-from bus.topics import CONTROL_TOPIC, Lane, reply_topic, request_topic
+from sluice.api import generation as api_generation
+from sluice.api.generation import Generation, StreamEvent, Track
+from sluice.api.service import GatewayService
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch, Usage
+from sluice.bus.topics import CONTROL_TOPIC, Lane, reply_topic, request_topic
 
 
 def delta(attempt: int, seq_no: int, offset: int, text: str, **kw: object) -> TokenDelta:
@@ -134,7 +134,7 @@ def test_a_delta_overtaken_by_the_next_one_is_taken_in_order() -> None:
 def test_a_gap_no_delta_fills_goes_out_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A delta that never comes (its worker died without a successor yet) holds the rest
     back for `GAP_WAIT_S`, then they go out with the gap rather than never."""
-    monkeypatch.setattr(api.generation, "GAP_WAIT_S", 0.2)
+    monkeypatch.setattr(api_generation, "GAP_WAIT_S", 0.2)
 
     async def main() -> None:
         bus = MemoryEventBus()

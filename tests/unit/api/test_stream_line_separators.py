@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from bus.memory import MemoryEventBus
+from sluice.bus.memory import MemoryEventBus
 from tests.unit.api.fakes import FakeEngineWorker
 
 # the three separators that JSON leaves raw, between other non-ASCII text

@@ -11,12 +11,12 @@ import llguidance
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.tools import call_grammar, chat_tools, render_messages, write_calls
-from bus.memory import MemoryEventBus
-from engine.model_files import load_tokenizer, smollm2_gguf
-from engine.sampling import Constraint
-from engine.structured import GrammarCompiler, grammar_for
+from sluice.api.app import create_app
+from sluice.api.tools import call_grammar, chat_tools, render_messages, write_calls
+from sluice.bus.memory import MemoryEventBus
+from sluice.engine.model_files import load_tokenizer, smollm2_gguf
+from sluice.engine.sampling import Constraint
+from sluice.engine.structured import GrammarCompiler, grammar_for
 from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 
@@ -376,7 +376,7 @@ def test_the_forced_call_grammar_accepts_calls_and_nothing_else(
 def test_think_blocks_become_reasoning(
     settings: GatewaySettings, memory_bus: MemoryEventBus, engine: FakeEngineWorker
 ) -> None:
-    from api.served import ServedModel
+    from sluice.api.served import ServedModel
     from tests.unit.api.conftest import API_KEY
     from tests.unit.api.fakes import ByteTokenizer
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from api.output import OutputPlan, read_whole
-from api.reasoning import ReasoningParser
-from api.tool_parsers import CallDelta, ToolCallParser, parse_tool_calls
+from sluice.api.output import OutputPlan, read_whole
+from sluice.api.reasoning import ReasoningParser
+from sluice.api.tool_parsers import CallDelta, ToolCallParser, parse_tool_calls
 
 WEATHER = '{"city": "Paris", "units": ["c", {"x": "}]"}]}'
 CASES = [

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from benchmarks.http_servers import Launch, servers
-from bus.tansu import free_port
+from sluice.tansu import free_port
 
 
 def _http_server(port: int) -> Launch:

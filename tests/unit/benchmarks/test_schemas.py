@@ -13,8 +13,8 @@ import llguidance
 import pytest
 
 from benchmarks.schemas import SCHEMAS, SchemaCase, by_name, ll_tokenizer
-from engine.model_files import load_tokenizer
-from engine.tokenizer import Tokenizer
+from sluice.engine.model_files import load_tokenizer
+from sluice.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from decimal import Decimal
 
 import pytest
 
-from billing.errors import InvalidInput
-from billing.prices import Price, parse_discount, picos_to_micros_ceil, picos_to_usd
-from billing.quotas import Decision, Unfit, format_duration, ms_to_next_month, scaled, unfit
-from billing.reports import format_usd
-from billing.tenants import PlanLimits
+from sluice.storage.errors import InvalidInput
+from sluice.storage.prices import Price, parse_discount, picos_to_micros_ceil, picos_to_usd
+from sluice.storage.quotas import Decision, Unfit, format_duration, ms_to_next_month, scaled, unfit
+from sluice.storage.tenants import PlanLimits
+from sluice.storage.usage import format_usd
 
 
 def test_cost_is_exact_in_pico_dollars() -> None:

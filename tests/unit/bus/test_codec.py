@@ -7,9 +7,9 @@ import random
 import pytest
 from kafka.partitioner.default import murmur2 as kafka_murmur2
 
-from bus.codec import decode, encode
-from bus.errors import DecodeError
-from bus.messages import (
+from sluice.bus.codec import decode, encode
+from sluice.bus.errors import DecodeError
+from sluice.bus.messages import (
     Cancel,
     GenerateRequest,
     PromptLogprob,
@@ -18,8 +18,8 @@ from bus.messages import (
     TokenDeltaBatch,
     TopLogprob,
 )
-from bus.partitioner import murmur2, partition_for
-from bus.topics import CONTROL_TOPIC, TOKENS_TOPIC, Lane, request_topic
+from sluice.bus.partitioner import murmur2, partition_for
+from sluice.bus.topics import CONTROL_TOPIC, TOKENS_TOPIC, Lane, request_topic
 
 
 def request() -> GenerateRequest:

@@ -7,8 +7,8 @@ whole log for an 'earliest' group that never committed).
 
 from __future__ import annotations
 
-from bus.base import Record, TopicPartition, TopicSpec
-from bus.memory import MemoryConsumer, MemoryEventBus
+from sluice.bus.base import Record, TopicPartition, TopicSpec
+from sluice.bus.memory import MemoryConsumer, MemoryEventBus
 
 WINDOW = 8
 TOPIC = "t.v1"

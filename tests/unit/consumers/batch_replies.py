@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.base import EventBus
-from bus.codec import encode
-from bus.messages import TokenDelta, TokenDeltaBatch, Usage
-from bus.topics import reply_topic
-from consumers.batches.lines import BATCH_REPLY_TARGET, line_call_id
+from sluice.bus.base import EventBus
+from sluice.bus.codec import encode
+from sluice.bus.messages import TokenDelta, TokenDeltaBatch, Usage
+from sluice.bus.topics import reply_topic
+from sluice.consumers.batches.lines import BATCH_REPLY_TARGET, line_call_id
 
 TOPIC = reply_topic(BATCH_REPLY_TARGET)
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from bus.codec import decode_as
-from bus.messages import TokenDelta, TokenDeltaBatch
-from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, EngineStats
+from sluice.bus.codec import decode_as
+from sluice.bus.messages import TokenDelta, TokenDeltaBatch
+from sluice.engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, EngineStats
 
 VOCAB = 50
 EOS = None  # the fake never emits EOS: requests end by length, stop ids, abort or deadline

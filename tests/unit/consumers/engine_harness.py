@@ -8,15 +8,22 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from bus.base import EventBus, TopicPartition, TopicSpec
-from bus.codec import decode_as, encode
-from bus.memory import MemoryEventBus
-from bus.messages import Cancel, GenerateRequest, SamplingSpec, UsageRecord
-from bus.partitioner import partition_for
-from bus.topics import CONTROL_TOPIC, USAGE_TOPIC, Lane, TopicLayout, reply_topic, request_topic
-from consumers.engine_worker import EngineWorker, EngineWorkerConfig
-from consumers.progress import MemoryProgressStore, ProgressStore
-from engine.backends.base import EngineBackend
+from sluice.bus.base import EventBus, TopicPartition, TopicSpec
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import Cancel, GenerateRequest, SamplingSpec, UsageRecord
+from sluice.bus.partitioner import partition_for
+from sluice.bus.topics import (
+    CONTROL_TOPIC,
+    USAGE_TOPIC,
+    Lane,
+    TopicLayout,
+    reply_topic,
+    request_topic,
+)
+from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
+from sluice.consumers.progress import MemoryProgressStore, ProgressStore
+from sluice.engine.backends.base import EngineBackend
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, GatewayView
 
 GATEWAY = "gw1"

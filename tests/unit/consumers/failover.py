@@ -11,8 +11,8 @@ bill exactly the tokens it received.
 
 from __future__ import annotations
 
-from bus.memory import MemoryEventBus
-from consumers.progress import ProgressStore
+from sluice.bus.memory import MemoryEventBus
+from sluice.consumers.progress import ProgressStore
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens, token_text
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 

@@ -14,18 +14,18 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from api.prepare import RequestLimits
-from billing.batch_store import BatchInfo, BatchStore
-from billing.db import Database, embedded_url
-from bus.memory import MemoryEventBus
-from bus.topics import Lane, TopicLayout, request_topic
-from consumers.batches.collector import BatchCollector
-from consumers.batches.lines import line_call_id, parse_file, parse_request_id
-from consumers.batches.runner import BatchConfig, BatchRunner, StepLease
+from sluice.api.prepare import RequestLimits
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import Lane, TopicLayout, request_topic
+from sluice.consumers.batches.collector import BatchCollector
+from sluice.consumers.batches.lines import line_call_id, parse_file, parse_request_id
+from sluice.consumers.batches.runner import BatchConfig, BatchRunner, StepLease
+from sluice.storage.batches import BatchInfo, BatchStore
+from sluice.storage.db import Database, embedded_url
+from sluice.tracing import spans as names
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.consumers.batch_replies import delta, publish
 from tests.unit.tracing.memory_spans import by_name, span_id, spans, trace_id
-from tracing import spans as names
 
 __all__ = ["spans"]  # the fixture
 
@@ -239,8 +239,8 @@ def test_in_process_steps_wait_for_the_engine_worker(
 ) -> None:
     """Until this process's engine worker is ready no line is published: the memory
     bus keeps a partition's unread records only for groups that have joined."""
-    from api.routes.batches import BatchLimits
-    from consumers.batches.tasks import InProcessBatches
+    from sluice.api.routes.batches import BatchLimits
+    from sluice.consumers.batches.tasks import InProcessBatches
 
     ready = threading.Event()
     batches = InProcessBatches(

@@ -20,25 +20,25 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from billing import admin
-from billing.admission import AdmissionService
-from billing.batch_budget import BatchBudget
-from billing.batch_store import BatchInfo, BatchStore, LineOutcome, NewLine
-from billing.db import Database, embedded_url
-from billing.keys import KeyAuthenticator
-from billing.ledger import UsageLedger
-from billing.models import BatchRow, UsageEntry
-from billing.prices import PriceBook, PriceCache
-from billing.quota_memory import MemoryQuotaStore
-from bus.base import TopicPartition
-from bus.memory import MemoryEventBus
-from bus.topics import USAGE_TOPIC
-from consumers.batches.collector import BatchCollector
-from consumers.batches.lines import parse_request_id
-from consumers.batches.runner import BatchRunner
-from consumers.billing import billing_loop
-from consumers.loop import ConsumeLoop
-from consumers.quotas import quotas_loop
+from sluice.billing import admin
+from sluice.billing.admission import AdmissionService
+from sluice.billing.batch_budget import BatchBudget
+from sluice.bus.base import TopicPartition
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import USAGE_TOPIC
+from sluice.consumers.batches.collector import BatchCollector
+from sluice.consumers.batches.lines import parse_request_id
+from sluice.consumers.batches.runner import BatchRunner
+from sluice.consumers.billing import billing_loop
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.quotas import quotas_loop
+from sluice.storage.batches import BatchInfo, BatchStore, LineOutcome, NewLine
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.keys import KeyAuthenticator
+from sluice.storage.ledger import UsageLedger
+from sluice.storage.prices import PriceBook, PriceCache
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.tables import BatchRow, UsageEntry
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import WorkerThread, create_topics
 from tests.unit.consumers.test_batches import MODEL, chat, make_runner, wait_until

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus.messages import Cancel, GenerateRequest, SamplingSpec
-from consumers.cancels import CancelRegistry
+from sluice.bus.messages import Cancel, GenerateRequest, SamplingSpec
+from sluice.consumers.cancels import CancelRegistry
 
 
 def _request(request_id: str, batch_id: str | None = None, tenant: str = "t1") -> GenerateRequest:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bus.base import TopicPartition
-from consumers.engine_outputs import superseded_usage
-from consumers.progress import AttemptStart
-from consumers.work_item import WorkItem
+from sluice.bus.base import TopicPartition
+from sluice.consumers.engine_outputs import superseded_usage
+from sluice.consumers.progress import AttemptStart
+from sluice.consumers.work_item import WorkItem
 from tests.unit.consumers.engine_harness import make_request
 
 

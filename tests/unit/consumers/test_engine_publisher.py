@@ -10,15 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bus.base import TopicPartition
-from bus.codec import decode_as, encode
-from bus.memory import MemoryEventBus
-from bus.messages import TokenDeltaBatch
-from bus.topics import reply_topic
-from consumers.engine_publisher import StepPublisher
-from consumers.progress import MemoryProgressStore, StepProgress
-from consumers.work_item import WorkItem
-from engine.backends.base import EngineDelta
+from sluice.bus.base import TopicPartition
+from sluice.bus.codec import decode_as, encode
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import TokenDeltaBatch
+from sluice.bus.topics import reply_topic
+from sluice.consumers.engine_publisher import StepPublisher
+from sluice.consumers.progress import MemoryProgressStore, StepProgress
+from sluice.consumers.work_item import WorkItem
+from sluice.engine.backends.base import EngineDelta
 from tests.unit.consumers.engine_harness import GATEWAY, create_topics, make_request
 
 
@@ -143,9 +143,9 @@ def test_an_interval_of_zero_sends_every_step() -> None:
 
 
 def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_ending() -> None:
-    from bus.messages import Usage
-    from consumers.engine_outputs import build_step, render
-    from engine.backends.base import TokenLogprob
+    from sluice.bus.messages import Usage
+    from sluice.consumers.engine_outputs import build_step, render
+    from sluice.engine.backends.base import TokenLogprob
 
     store = MemoryProgressStore()
     a, b = _item(store, "a"), _item(store, "b")
@@ -202,8 +202,8 @@ def test_a_finished_attempts_usage_goes_out_after_its_finish_is_recorded() -> No
     """A worker killed between the two leaves the finish recorded and no usage record, which
     the resumer estimates from the progress store; the other order left a record and no
     finish, and the resumer ran the finished request again, billing it twice."""
-    from bus.messages import UsageRecord
-    from bus.topics import USAGE_TOPIC
+    from sluice.bus.messages import UsageRecord
+    from sluice.bus.topics import USAGE_TOPIC
 
     bus = MemoryEventBus()
     create_topics(bus, 1)

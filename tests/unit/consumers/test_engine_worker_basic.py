@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus.memory import MemoryEventBus
-from bus.topics import Lane
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import Lane
 from tests.unit.consumers.engine_fakes import greedy_tokens, token_text
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from bus.base import TopicPartition
-from bus.memory import MemoryEventBus
-from bus.topics import Lane, request_topic
-from consumers.engine_worker import EngineWorkerConfig
+from sluice.bus.base import TopicPartition
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import Lane, request_topic
+from sluice.consumers.engine_worker import EngineWorkerConfig
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import (
     Client,

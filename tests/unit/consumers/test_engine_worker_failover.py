@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus.memory import MemoryEventBus
-from consumers.progress import MemoryProgressStore
+from sluice.bus.memory import MemoryEventBus
+from sluice.consumers.progress import MemoryProgressStore
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 from tests.unit.consumers.failover import run_failover

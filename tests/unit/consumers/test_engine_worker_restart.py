@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from bus.memory import MemoryEventBus
-from bus.messages import GenerateRequest, SamplingSpec
-from consumers.engine_worker import EngineWorkerConfig, RestartBackoff
-from consumers.progress import MemoryProgressStore
-from engine.backends.base import EngineDeadError, EngineDelta
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
-from engine.config import EngineConfig
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import GenerateRequest, SamplingSpec
+from sluice.consumers.engine_worker import EngineWorkerConfig, RestartBackoff
+from sluice.consumers.progress import MemoryProgressStore
+from sluice.engine.backends.base import EngineDeadError, EngineDelta
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.config import EngineConfig
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens
 from tests.unit.consumers.engine_harness import (
     Client,

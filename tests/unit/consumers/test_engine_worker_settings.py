@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bus.topics import Lane
-from consumers.engine_worker import EngineWorkerConfig
+from sluice.bus.topics import Lane
+from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.settings import EngineWorkerSettings, SettingsError, load_settings
 
 

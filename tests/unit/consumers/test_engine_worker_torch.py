@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from bus.memory import MemoryEventBus
-from bus.messages import GenerateRequest, SamplingSpec
-from consumers.progress import MemoryProgressStore
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import GenerateRequest, SamplingSpec
+from sluice.consumers.progress import MemoryProgressStore
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 
 PROMPT = [1, 17, 42, 99, 7, 300, 12]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumers.fair_queue import FairQueue, TenantQueues
+from sluice.consumers.fair_queue import FairQueue, TenantQueues
 
 WEIGHTS = {"interactive": 16, "standard": 4, "batch": 1}
 

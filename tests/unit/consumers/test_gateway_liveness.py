@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from bus.codec import encode
-from bus.memory import MemoryEventBus
-from bus.messages import Heartbeat
-from bus.topics import HEARTBEATS_TOPIC
-from consumers.engine_worker import EngineWorkerConfig
-from consumers.gateway_liveness import GatewayLiveness
+from sluice.bus.codec import encode
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import Heartbeat
+from sluice.bus.topics import HEARTBEATS_TOPIC
+from sluice.consumers.engine_worker import EngineWorkerConfig
+from sluice.consumers.gateway_liveness import GatewayLiveness
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import (
     GATEWAY,

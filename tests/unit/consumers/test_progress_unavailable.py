@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from bus.memory import MemoryEventBus
-from consumers.progress import (
+from sluice.bus.memory import MemoryEventBus
+from sluice.consumers.progress import (
     AttemptStart,
     MemoryProgressStore,
     ProgressUnavailable,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bus.base import TopicPartition
-from consumers.progress import AttemptStart
-from consumers.work_item import (
+from sluice.bus.base import TopicPartition
+from sluice.consumers.progress import AttemptStart
+from sluice.consumers.work_item import (
     ABORTED,
     DEADLINE,
     FENCED,

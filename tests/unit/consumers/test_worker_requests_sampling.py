@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from bus.base import TopicPartition
-from bus.messages import GenerateRequest, SamplingSpec, StructuredSpec
-from consumers.work_item import WorkItem
-from consumers.worker_requests import engine_request
-from engine.sampling import Constraint, SamplingParamsError
+from sluice.bus.base import TopicPartition
+from sluice.bus.messages import GenerateRequest, SamplingSpec, StructuredSpec
+from sluice.consumers.work_item import WorkItem
+from sluice.consumers.worker_requests import engine_request
+from sluice.engine.sampling import Constraint, SamplingParamsError
 
 
 def item(sampling: SamplingSpec, resumed: list[int] | None = None) -> WorkItem:

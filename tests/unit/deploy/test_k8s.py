@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bus.topics import REQUEST_TOPICS, Lane, request_topic
+from sluice.bus.topics import REQUEST_TOPICS, Lane, request_topic
 from sluice.settings import BusSettings, EngineWorkerSettings
 from sluice.up import ENGINE_STOP_AFTER_DRAIN_S
 from tests.unit.deploy.kustomize import Manifest, render

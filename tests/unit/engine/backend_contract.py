@@ -19,14 +19,14 @@ from typing import Any, Protocol
 
 import pytest
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineBackend,
     EngineDeadError,
     EngineDelta,
     EngineRequest,
     RequestRejectedError,
 )
-from engine.sampling import SamplingParams
+from sluice.engine.sampling import SamplingParams
 
 PROMPT = list(range(1, 19))
 KILL_MESSAGE = "device fell over"  # what `ContractTarget.kill` makes the engine raise

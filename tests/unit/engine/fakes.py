@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from sluice.engine.core.outputs import RunnerOutput, SampledToken, SchedulerOutput
 
 _MASK = (1 << 61) - 1
 

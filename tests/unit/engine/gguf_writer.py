@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-from engine.preset import CHAT_TEMPLATE
+from sluice.engine.preset import CHAT_TEMPLATE
 
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",

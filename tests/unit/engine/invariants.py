@@ -6,13 +6,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.core.outputs import SchedulerOutput
-from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
+from sluice.engine.core.outputs import SchedulerOutput
+from sluice.engine.core.request import RequestStatus
+from sluice.engine.core.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from engine.backends.base import EngineDelta, EngineRequest
-    from engine.engine_core import EngineCore
+    from sluice.engine.backends.base import EngineDelta, EngineRequest
+    from sluice.engine.engine_core import EngineCore
 
 
 def check_pool_and_tables(scheduler: Scheduler) -> None:

@@ -11,11 +11,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine.core.outputs import ScheduledRequest, SchedulerOutput
-from engine.core.request import Request
-from engine.preset import CHAT_TEMPLATE, train_tokenizer
-from engine.runner.model_runner import ModelRunner
-from engine.sampling import SamplingParams
+from sluice.engine.core.outputs import ScheduledRequest, SchedulerOutput
+from sluice.engine.core.request import Request
+from sluice.engine.preset import CHAT_TEMPLATE, train_tokenizer
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampling import SamplingParams
 
 
 def save_hf_model(model: Any, path: Path, **save_kwargs: Any) -> Path:

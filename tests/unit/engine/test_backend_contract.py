@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from engine.backends.replicated import ReplicatedBackend
-from engine.backends.sim.presets import SimPreset
-from engine.backends.sim_backend import SimEngineBackend
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.core.outputs import RunnerOutput, SchedulerOutput
-from engine.engine_core import EngineCore
+from sluice.engine.backends.replicated import ReplicatedBackend
+from sluice.engine.backends.sim.presets import SimPreset
+from sluice.engine.backends.sim_backend import SimEngineBackend
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.outputs import RunnerOutput, SchedulerOutput
+from sluice.engine.engine_core import EngineCore
 from tests.unit.engine.backend_contract import (
     CHECKS,
     KILL_MESSAGE,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
+from sluice.engine.core.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
 
 
 def test_null_block_is_never_handed_out() -> None:

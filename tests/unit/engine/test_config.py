@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig, EngineConfigError
+from sluice.engine.config import EngineConfig, EngineConfigError
 
 
 @pytest.mark.parametrize(

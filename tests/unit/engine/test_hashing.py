@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.core.hashing import BlockHasher
-from engine.core.request import Request
-from engine.sampling import SamplingParams
+from sluice.engine.core.hashing import BlockHasher
+from sluice.engine.core.request import Request
+from sluice.engine.sampling import SamplingParams
 
 
 def _request(prompt: list[int], salt: str | None = None) -> Request:

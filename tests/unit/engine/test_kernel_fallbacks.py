@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import kernels
-from engine.options import EngineOptions
+from sluice.engine import kernels
+from sluice.engine.options import EngineOptions
 
 HAS_AVX2 = {"avx2", "fma"} <= kernels._cpu_flags()
 HAS_CC = bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import ModelLoadError, load_model, resolve_model_dir
+from sluice.engine.loader import ModelLoadError, load_model, resolve_model_dir
 
 
 def _digest(path: Path) -> str:

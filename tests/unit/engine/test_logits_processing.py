@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine.backends.base import EngineRequest, RequestRejectedError, check_request
-from engine.core.request import Request
-from engine.logits import LogitsProcessor
-from engine.sampling import SamplingParams, SamplingParamsError
+from sluice.engine.backends.base import EngineRequest, RequestRejectedError, check_request
+from sluice.engine.core.request import Request
+from sluice.engine.logits import LogitsProcessor
+from sluice.engine.sampling import SamplingParams, SamplingParamsError
 
 VOCAB = 50
 EOS = (1, 2)
@@ -123,9 +123,9 @@ def test_check_request_refuses_logit_bias_ids_outside_the_vocab() -> None:
 
 
 def test_engine_refuses_what_it_cannot_serve() -> None:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling import Constraint
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.engine_core import EngineCore
+    from sluice.engine.sampling import Constraint
     from tests.unit.engine.fakes import FakeRunner
 
     config = EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=64)
@@ -140,7 +140,7 @@ def test_engine_refuses_what_it_cannot_serve() -> None:
 
 
 def test_a_loop_is_a_short_period_over_the_last_outputs() -> None:
-    from engine.logits import LOOP_WINDOW, looping
+    from sluice.engine.logits import LOOP_WINDOW, looping
 
     assert looping([7] * LOOP_WINDOW)
     assert looping([1, 2, 3] * 4)

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.runner.model_runner import ModelRunner
+from sluice.engine.config import EngineConfig
+from sluice.engine.loader import load_model
+from sluice.engine.runner.model_runner import ModelRunner
 from tests.unit.engine.runner_driver import run_greedy, save_hf_model
 
 transformers = pytest.importorskip("transformers")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import kernels
-from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.models.cpu_linear import (
+from sluice.engine import kernels
+from sluice.engine.config import EngineConfig
+from sluice.engine.loader import load_model
+from sluice.engine.models.cpu_linear import (
     TUNE_MAX_ROWS,
     PackedLinear,
     RowPlan,
@@ -21,8 +21,8 @@ from engine.models.cpu_linear import (
     row_bucket,
     tune_row_buckets,
 )
-from engine.quantization import Int8Linear
-from engine.runner.model_runner import ModelRunner
+from sluice.engine.quantization import Int8Linear
+from sluice.engine.runner.model_runner import ModelRunner
 from tests.unit.engine.runner_driver import run_greedy
 
 

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, RequestRejectedError
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.options import EngineOptions
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    RequestRejectedError,
+)
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.options import EngineOptions
+from sluice.engine.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
 CONFIG = EngineConfig(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.backends.base import EngineDeadError, EngineDelta, EngineRequest
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
 from tests.unit.engine.test_process_backend import CONFIG, PROMPT, greedy
 
 pytestmark = pytest.mark.slow  # each start imports torch in a new interpreter

@@ -7,10 +7,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
-from engine.config import EngineConfig
-from engine.sampling import Constraint, SamplingParams
+from sluice.engine.backends.base import EngineDelta, EngineRequest
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.sampling import Constraint, SamplingParams
 
 CONFIG = EngineConfig(block_size=16, max_model_len=256, num_kv_blocks=64, dtype="float32")
 CHOICES = ["alpha", "beta gamma"]

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from engine.backends.base import (
+from sluice.engine.backends.base import (
     EngineDeadError,
     EngineDelta,
     EngineRequest,
     EngineStats,
     RequestRejectedError,
 )
-from engine.backends.process_backend import EngineSpec
-from engine.backends.replicated import ReplicatedBackend, replica_specs
-from engine.config import EngineConfig
+from sluice.engine.backends.process_backend import EngineSpec
+from sluice.engine.backends.replicated import ReplicatedBackend, replica_specs
+from sluice.engine.config import EngineConfig
 from tests.unit.engine.test_backend_contract import _kill_torch, make_replicated
 from tests.unit.engine.test_process_backend import CONFIG, PROMPT, greedy, tokens, until_terminal
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
-from engine.backends.process_backend import EngineSpec, ProcessEngineBackend
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.sampling import MAX_SEED, MIN_SEED, SamplingParams, SamplingParamsError
+from sluice.engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
+from sluice.engine.backends.process_backend import EngineSpec, ProcessEngineBackend
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.sampling import MAX_SEED, MIN_SEED, SamplingParams, SamplingParamsError
 
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
 VOCAB = 512  # the tiny-llama preset's

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends.base import EngineRequest
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, load_model
-from engine.options import EngineOptions
-from engine.runner.model_runner import ModelRunner
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.loader import LoadedModel, load_model
+from sluice.engine.options import EngineOptions
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampling import SamplingParams
 from tests.unit.engine.runner_driver import save_hf_model
 from tests.unit.engine.test_model_hf_equivalence import NEW_TOKENS, _hf_greedy, _hf_model
 

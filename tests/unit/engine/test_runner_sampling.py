@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core.request import Request
-from engine.loader import load_model
-from engine.runner.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.request import Request
+from sluice.engine.loader import load_model
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampler import Sampler
+from sluice.engine.sampling import SamplingParams
 from tests.unit.engine.runner_driver import run_requests
 
 
@@ -88,7 +88,7 @@ def test_runner_seeded_requests_reproduce_across_batches(runner: ModelRunner) ->
 
 
 def test_runner_returns_logprobs(runner: ModelRunner) -> None:
-    from engine.core.outputs import ScheduledRequest, SchedulerOutput
+    from sluice.engine.core.outputs import ScheduledRequest, SchedulerOutput
 
     r = _req("lp", 1, [0, 5, 6])
     out = runner.execute(SchedulerOutput([ScheduledRequest(r, 0, 3, [1], True)], 3))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.base import EngineRequest
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
 # 48 draws at temperature 1 over 512 tokens: two fresh engines agreeing is out of reach

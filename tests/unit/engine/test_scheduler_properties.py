@@ -12,10 +12,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.sampling import SamplingParams
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.request import Request, RequestStatus
+from sluice.engine.core.scheduler import Scheduler
+from sluice.engine.sampling import SamplingParams
 from tests.unit.engine.fakes import FakeRunner, reference_tokens
 from tests.unit.engine.invariants import check_all_returned, check_pool_and_tables, check_step
 

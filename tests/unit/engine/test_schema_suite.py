@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from benchmarks.schemas import SCHEMAS, SchemaCase, by_name
-from engine.backends.base import EngineRequest
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, load_model
-from engine.model_files import SMOLLM2
-from engine.runner.model_runner import ModelRunner
-from engine.sampling import Constraint, SamplingParams
-from engine.structured import GrammarCompiler
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.loader import LoadedModel, load_model
+from sluice.engine.model_files import SMOLLM2
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampling import Constraint, SamplingParams
+from sluice.engine.structured import GrammarCompiler
 from tests.unit.engine.invariants import drive, outcomes
 
 MAX_TOKENS = 512

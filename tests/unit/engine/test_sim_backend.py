@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.base import EngineDelta, EngineRequest
-from engine.backends.sim.calibrate import steady_state_tokens_per_s
-from engine.backends.sim.core import SimCore
-from engine.backends.sim.presets import PUBLISHED_TOKENS_PER_S, SIM_PRESETS, SimPreset
-from engine.backends.sim_backend import SimEngineBackend
-from engine.sampling import SamplingParams
+from sluice.engine.backends.base import EngineDelta, EngineRequest
+from sluice.engine.backends.sim.calibrate import steady_state_tokens_per_s
+from sluice.engine.backends.sim.core import SimCore
+from sluice.engine.backends.sim.presets import PUBLISHED_TOKENS_PER_S, SIM_PRESETS, SimPreset
+from sluice.engine.backends.sim_backend import SimEngineBackend
+from sluice.engine.sampling import SamplingParams
 from tests.unit.engine.backend_contract import collect
 
 PRESET = SimPreset(

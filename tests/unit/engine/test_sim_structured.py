@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backends.base import EngineRequest, RequestRejectedError
-from engine.backends.sim_backend import SimEngineBackend
-from engine.sampling import Constraint, SamplingParams
+from sluice.engine.backends.base import EngineRequest, RequestRejectedError
+from sluice.engine.backends.sim_backend import SimEngineBackend
+from sluice.engine.sampling import Constraint, SamplingParams
 
 
 def test_constrained_requests_are_refused() -> None:

@@ -15,15 +15,15 @@ import jsonschema
 import pytest
 import torch
 
-from engine.backends.base import EngineRequest, RequestRejectedError
-from engine.config import EngineConfig
-from engine.core.request import Request
-from engine.engine_core import EngineCore, tokenizer_detokenizers
-from engine.loader import LoadedModel, load_model
-from engine.logits import LogitsProcessor
-from engine.runner.model_runner import ModelRunner
-from engine.sampling import Constraint, SamplingParams
-from engine.structured import (
+from sluice.engine.backends.base import EngineRequest, RequestRejectedError
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.request import Request
+from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
+from sluice.engine.loader import LoadedModel, load_model
+from sluice.engine.logits import LogitsProcessor
+from sluice.engine.runner.model_runner import ModelRunner
+from sluice.engine.sampling import Constraint, SamplingParams
+from sluice.engine.structured import (
     GrammarCompiler,
     StructuredOutputError,
     grammar_for,

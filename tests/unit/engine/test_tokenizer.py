@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.preset import CHAT_TEMPLATE, train_tokenizer
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from sluice.engine.preset import CHAT_TEMPLATE, train_tokenizer
+from sluice.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXT = "Hello, world! Café naïve 日本語 🙂🚀 and the sluice gate opens."
 
@@ -106,9 +106,9 @@ def test_a_resumed_request_continues_the_text_exactly_at_any_split(tok: Tokenize
     """Failover: attempt 1 gets prompt + attempt 0's tokens (num_resumed_tokens). Its text
     must continue exactly where attempt 0's emitted text stopped, also when the split falls
     inside a multi-byte character (byte-level tokens) or inside held-back text."""
-    from engine.core.request import Request
-    from engine.engine_core import tokenizer_detokenizers
-    from engine.sampling import SamplingParams
+    from sluice.engine.core.request import Request
+    from sluice.engine.engine_core import tokenizer_detokenizers
+    from sluice.engine.sampling import SamplingParams
 
     make = tokenizer_detokenizers(tok)
     prompt = tok.encode("Tell me:")

@@ -11,12 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.base import EngineDeadError, EngineDelta, EngineRequest, RequestRejectedError
-from engine.backends.torch_backend import TorchEngineBackend
-from engine.config import EngineConfig
-from engine.core.outputs import RunnerOutput, SchedulerOutput
-from engine.engine_core import EngineCore
-from engine.options import EngineOptions
+from sluice.engine.backends.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineRequest,
+    RequestRejectedError,
+)
+from sluice.engine.backends.torch_backend import TorchEngineBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.outputs import RunnerOutput, SchedulerOutput
+from sluice.engine.engine_core import EngineCore
+from sluice.engine.options import EngineOptions
 from tests.unit.engine.backend_contract import collect, greedy
 from tests.unit.engine.fakes import FailingRunner, FakeRunner, reference_tokens
 from tests.unit.engine.invariants import check_all_returned

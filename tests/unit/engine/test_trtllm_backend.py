@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from engine.backends.base import EngineRequest
-from engine.backends.trtllm_backend import TrtllmEngineBackend
+from sluice.engine.backends.base import EngineRequest
+from sluice.engine.backends.trtllm_backend import TrtllmEngineBackend
 from tests.unit.engine.backend_contract import (
     CHECKS,
     KILL_MESSAGE,

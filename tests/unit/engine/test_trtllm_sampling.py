@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from engine.backends.base import EngineRequest, RequestRejectedError
-from engine.backends.trtllm_backend import TrtllmEngineBackend, guided_kwargs
-from engine.sampling import Constraint, SamplingParams
+from sluice.engine.backends.base import EngineRequest, RequestRejectedError
+from sluice.engine.backends.trtllm_backend import TrtllmEngineBackend, guided_kwargs
+from sluice.engine.sampling import Constraint, SamplingParams
 
 
 class Recorded:

@@ -18,14 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
-from engine.backends.upstream_backend import (
+from sluice.engine.backends.base import EngineDelta, EngineRequest, RequestRejectedError
+from sluice.engine.backends.upstream_backend import (
     Dialect,
     UpstreamEngineBackend,
     completion_body,
     structured_body,
 )
-from engine.sampling import Constraint, SamplingParams
+from sluice.engine.sampling import Constraint, SamplingParams
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.unit.engine.backend_contract import (
     CHECKS,

@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from sluice.http_server import GatewayServer, build_server
 from tests.unit.api.conftest import gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
@@ -28,7 +28,7 @@ def served_gateway(
     """The gateway serving model "tiny" (`max_model_len`) on a free port, its settings
     `gateway_settings(**overrides)`, started; a fake engine answering `reply` a token per
     `step_s`. Stopped, with the engine and the bus, on exit."""
-    from api.app import create_app
+    from sluice.api.app import create_app
 
     bus = MemoryEventBus()
     bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from billing.admission import open_admission
-from bus.memory import MemoryEventBus
-from consumers.batches.tasks import CeleryBatches, InProcessBatches
 from sluice import wiring
+from sluice.billing.admission import open_admission
+from sluice.bus.memory import MemoryEventBus
 from sluice.cli import app
 from sluice.cli_serving import _side_workers
+from sluice.consumers.batches.tasks import CeleryBatches, InProcessBatches
 from sluice.settings import GatewaySettings, Settings, load_settings
 from tests.unit.api.fakes import served_model
 

@@ -153,8 +153,8 @@ def test_up_never_announces_once_it_stopped(readiness: tuple[str, threading.Even
 def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(
     monkeypatch: pytest.MonkeyPatch, native: bool, picked: str
 ) -> None:
-    from engine.models import cpu_linear
     from sluice import wiring
+    from sluice.engine.models import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "native_low_precision", lambda dtype: native)
     settings = EngineWorkerSettings(dtype="auto")

@@ -35,8 +35,8 @@ def test_the_kafka_fetch_wait_reaches_every_consumer_of_the_bus(
 ) -> None:
     """SLUICE_KAFKA_FETCH_MAX_WAIT_MS sets the bus's fetch wait (a Kafka deployment raises
     it; docs/operations.md), which consumers without their own wait use."""
-    from bus.kafka import KafkaEventBus
     from sluice import wiring
+    from sluice.bus.kafka import KafkaEventBus
 
     seen: dict[str, int] = {}
 
@@ -212,7 +212,7 @@ def test_engine_options_default_to_the_engines_own_and_read_their_variables(
 ) -> None:
     import os
 
-    from engine.options import EngineOptions
+    from sluice.engine.options import EngineOptions
     from sluice.settings import ModelSettings
     from sluice.wiring import engine_options
 

@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 import sluice.up
-from api.app import create_app
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
 from sluice import wiring
+from sluice.api.app import create_app
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from sluice.cli import app as cli_app
 from sluice.settings import GatewaySettings, load_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model

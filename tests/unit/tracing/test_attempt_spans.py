@@ -8,15 +8,15 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from bus.base import Record
-from bus.codec import encode
-from bus.messages import TelemetryRecord, Timings
-from bus.topics import TELEMETRY_TOPIC, Lane
-from consumers.tracing.handler import TracingHandler, decode_telemetry
-from consumers.tracing.spans import emit_attempt_spans
+from sluice.bus.base import Record
+from sluice.bus.codec import encode
+from sluice.bus.messages import TelemetryRecord, Timings
+from sluice.bus.topics import TELEMETRY_TOPIC, Lane
+from sluice.consumers.tracing.handler import TracingHandler, decode_telemetry
+from sluice.consumers.tracing.spans import emit_attempt_spans
+from sluice.tracing.propagation import inject_headers
+from sluice.tracing.spans import tracer
 from tests.unit.tracing.memory_spans import one, parent_of, span_id, trace_id
-from tracing.propagation import inject_headers
-from tracing.spans import tracer
 
 T0 = 1_700_000_000_000
 

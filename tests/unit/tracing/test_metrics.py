@@ -19,24 +19,24 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from billing import admin
-from billing.db import Database, embedded_url
-from billing.quota_memory import MemoryQuotaStore
-from bus.base import TopicPartition, TopicSpec
-from bus.errors import DecodeError
-from bus.memory import MemoryEventBus
-from bus.messages import Message, Timings, UsageRecord
-from bus.topics import Lane, TopicLayout
-from consumers.engine_worker import EngineWorkerConfig
-from consumers.loop import ConsumeLoop, LoopConfig
+from sluice.api.app import create_app
+from sluice.billing import admin
+from sluice.bus.base import TopicPartition, TopicSpec
+from sluice.bus.errors import DecodeError
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import Message, Timings, UsageRecord
+from sluice.bus.topics import Lane, TopicLayout
+from sluice.consumers.engine_worker import EngineWorkerConfig
+from sluice.consumers.loop import ConsumeLoop, LoopConfig
+from sluice.storage.db import Database, embedded_url
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.tracing import metrics
 from sluice.up import GATEWAY, Child, assign_metrics_ports
 from tests.integration.billing.gateway_stack import MODEL, start_stack
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
-from tracing import metrics
 
 Labels = dict[str, str]
 
@@ -371,7 +371,7 @@ def test_batch_gauges_and_lines() -> None:
 def test_many_observations_at_once_read_as_one_at_a_time(amount: float) -> None:
     from prometheus_client import CollectorRegistry, Histogram
 
-    from tracing.metrics import _observe_many
+    from sluice.tracing.metrics import _observe_many
 
     registry = CollectorRegistry()
     buckets = (0.005, 0.01, 0.02, 0.05, 1.0)

@@ -16,12 +16,12 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.base import TopicPartition
-from bus.messages import Timings, UsageRecord
-from bus.topics import Lane
+from sluice.bus.base import TopicPartition
+from sluice.bus.messages import Timings, UsageRecord
+from sluice.bus.topics import Lane
 from sluice.cli_serving import switch_metrics
 from sluice.settings import Settings
-from tracing import metrics
+from sluice.tracing import metrics
 
 MODEL = "switch-model"
 TOPIC = "switch.topic"
@@ -131,7 +131,7 @@ def test_off_lag_reporter_is_never_due() -> None:
 def test_off_metrics_route_still_answers() -> None:
     from fastapi import FastAPI
 
-    from api.routes.metrics import router
+    from sluice.api.routes.metrics import router
 
     app = FastAPI()
     app.include_router(router)

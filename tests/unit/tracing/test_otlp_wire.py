@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
-from tracing.otlp_wire import FastOTLPSpanExporter, encode_spans
+from sluice.tracing.otlp_wire import FastOTLPSpanExporter, encode_spans
 
 VALUES = {
     "s": "text ünïcode",

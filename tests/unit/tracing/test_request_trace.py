@@ -15,13 +15,13 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from api.app import create_app
-from bus.codec import decode_as
-from bus.memory import MemoryEventBus
-from bus.messages import UsageRecord
-from bus.topics import USAGE_TOPIC
-from consumers.loop import ConsumeLoop
-from consumers.tracing.handler import tracing_loop
+from sluice.api.app import create_app
+from sluice.bus.codec import decode_as
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import USAGE_TOPIC
+from sluice.consumers.loop import ConsumeLoop
+from sluice.consumers.tracing.handler import tracing_loop
 from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import served_model
 from tests.unit.consumers.engine_harness import WorkerThread, create_topics

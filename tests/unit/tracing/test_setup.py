@@ -5,8 +5,8 @@ from __future__ import annotations
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from tracing.otlp_wire import FastOTLPSpanExporter
-from tracing.setup import build_tracer_provider, exporter_from_env
+from sluice.tracing.otlp_wire import FastOTLPSpanExporter
+from sluice.tracing.setup import build_tracer_provider, exporter_from_env
 
 
 def test_nothing_configured_is_no_exporter() -> None:

@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from api.app import create_app
-from bus.memory import MemoryEventBus
-from bus.topics import TopicLayout
+from sluice.api.app import create_app
+from sluice.bus.memory import MemoryEventBus
+from sluice.bus.topics import TopicLayout
 from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.tracing.memory_spans import one

@@ -21,11 +21,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from billing.db import Database
-from billing.models import UsageEntry, utcnow
-from billing.prices import Price, load_prices
-from bus.messages import UsageRecord
-from bus.topics import Lane
+from sluice.bus.messages import UsageRecord
+from sluice.bus.topics import Lane
+from sluice.storage.db import Database
+from sluice.storage.prices import Price, load_prices
+from sluice.storage.tables import UsageEntry, utcnow
 
 logger = logging.getLogger(__name__)
 LEDGER: sa.Table = UsageEntry.__table__  # type: ignore[assignment]

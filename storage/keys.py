@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from billing.db import Database
-from billing.errors import AuthenticationFailed, NotFound, StoreUnavailable
-from billing.models import ApiKey, Plan, Tenant, utcnow
-from billing.tenants import PlanLimits, TenantRepository, check_text, is_storable, new_id
+from sluice.storage.db import Database
+from sluice.storage.errors import AuthenticationFailed, NotFound, StoreUnavailable
+from sluice.storage.tables import ApiKey, Plan, Tenant, utcnow
+from sluice.storage.tenants import PlanLimits, TenantRepository, check_text, is_storable, new_id
 
 KEY_PREFIX = "sk-sluice-"
 _KEY_RE = re.compile(r"^sk-sluice-([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")

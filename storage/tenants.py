@@ -11,9 +11,9 @@ from decimal import Decimal, InvalidOperation
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from billing.db import Database
-from billing.errors import Conflict, InvalidInput, NotFound
-from billing.models import Plan, Tenant
+from sluice.storage.db import Database
+from sluice.storage.errors import Conflict, InvalidInput, NotFound
+from sluice.storage.tables import Plan, Tenant
 
 MICROS_PER_USD = 1_000_000
 # What the database columns hold: Integer limits, BigInteger micro-dollars.
@@ -118,6 +118,11 @@ class TenantRepository:
             session.add(tenant)
             session.flush()
             return TenantInfo(tenant.id, tenant.name, limits, tenant.created_at)
+
+    def exists(self) -> bool:
+        """Whether any tenant exists."""
+        with self.db.session() as session:
+            return session.scalar(sa.select(Tenant.id).limit(1)) is not None
 
     def list(self) -> list[TenantInfo]:
         with self.db.session() as session:

@@ -7,11 +7,11 @@ import hashlib
 import pytest
 import sqlalchemy as sa
 
-from billing.db import Database
-from billing.errors import AuthenticationFailed, Conflict, InvalidInput, NotFound
-from billing.keys import KeyAuthenticator, KeyRepository
-from billing.models import ApiKey
-from billing.tenants import PlanLimits, TenantRepository, usd_to_micros
+from sluice.storage.db import Database
+from sluice.storage.errors import AuthenticationFailed, Conflict, InvalidInput, NotFound
+from sluice.storage.keys import KeyAuthenticator, KeyRepository
+from sluice.storage.tables import ApiKey
+from sluice.storage.tenants import PlanLimits, TenantRepository, usd_to_micros
 
 
 class Clock:

@@ -4,7 +4,7 @@ Money is integers, never floats: budgets and prices in micro-dollars (1e-6 USD; 
 per million tokens), ledger costs in pico-dollars (1e-12 USD) so that
 `tokens * micro-dollars per million tokens` is exact for every row. Times are UTC.
 
-Billing periods are computed on demand from the ledger (`billing.ledger.period_spend`,
+Billing periods are computed on demand from the ledger (`storage.ledger.period_spend`,
 one range scan of the `(tenant_id, usage_day)` index) rather than kept as running
 totals: a derived counter could drift from the ledger, a query cannot.
 """

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from billing.db import Database, make_engine, migrate
-from billing.ledger import UsageLedger
-from billing.prices import PriceBook
+from sluice.storage.db import Database, make_engine, migrate
+from sluice.storage.ledger import UsageLedger
+from sluice.storage.prices import PriceBook
 from tests.integration.billing.usage_data import make_usages
 
 
@@ -27,7 +27,7 @@ def test_an_unpriced_model_warns_once_however_many_rows_it_has(
         for i, u in enumerate(make_usages(90))
     ]
     ledger = UsageLedger(db)
-    with caplog.at_level(logging.WARNING, logger="billing.ledger"):
+    with caplog.at_level(logging.WARNING, logger="storage.ledger"):
         # three consumer batches, every row recorded
         assert sum(ledger.record(usages[start : start + 30]) for start in range(0, 90, 30)) == 90
     db.close()

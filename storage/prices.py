@@ -16,10 +16,10 @@ from decimal import Decimal
 
 import sqlalchemy as sa
 
-from billing.db import Database
-from billing.errors import BillingError, InvalidInput
-from billing.models import ModelPrice, utcnow
-from billing.tenants import check_text, to_decimal, usd_to_micros
+from sluice.storage.db import Database
+from sluice.storage.errors import InvalidInput, StoreError
+from sluice.storage.tables import ModelPrice, utcnow
+from sluice.storage.tenants import check_text, to_decimal, usd_to_micros
 
 PICOS_PER_MICRO = 1_000_000
 # Per million tokens: a million tokens at this price still fits the ledger's BigInteger.
@@ -149,7 +149,7 @@ class PriceCache:
         try:
             self._prices = self.book.all()
             self._expires = now + self.ttl_s
-        except BillingError:
+        except StoreError:
             if not self._prices:
                 raise
             self._expires = now + min(self.ttl_s, 1.0)

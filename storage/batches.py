@@ -19,8 +19,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from billing.db import Database
-from billing.models import BatchLineRow, BatchRow, StoredFile
+from sluice.storage.db import Database
+from sluice.storage.tables import BatchLineRow, BatchRow, StoredFile
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 RUNNING = frozenset({"validating", "in_progress", "finalizing", "cancelling"})

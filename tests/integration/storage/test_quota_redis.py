@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from billing.errors import StoreUnavailable
-from billing.quota_redis import RedisQuotaStore
-from billing.quotas import Reservation, Settlement
-from billing.tenants import PlanLimits
+from sluice.storage.errors import StoreUnavailable
+from sluice.storage.quota_redis import RedisQuotaStore
+from sluice.storage.quotas import Reservation, Settlement
+from sluice.storage.tenants import PlanLimits
 
 
 def _admit_burst(

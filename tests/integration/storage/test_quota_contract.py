@@ -6,11 +6,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from billing.quota_memory import MemoryQuotaStore
-from billing.quota_redis import RedisQuotaStore
-from billing.quotas import QuotaStore, Reservation, Settlement, release
-from billing.tenants import PlanLimits
-from tests.integration.billing.conftest import FakeClock
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.quota_redis import RedisQuotaStore
+from sluice.storage.quotas import QuotaStore, Reservation, Settlement, release
+from sluice.storage.tenants import PlanLimits
+from tests.integration.storage.stores import FakeClock
 
 Make = Callable[..., QuotaStore]
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from bus.errors import BusUnavailable
+from sluice.bus.errors import BusUnavailable
 
 
 def tansu_binary(configured: str | Path | None = None) -> Path:

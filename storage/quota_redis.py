@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import redis
 
-from billing.errors import StoreUnavailable
-from billing.quota_memory import MemoryQuotaStore, wall_ms
-from billing.quotas import (
+from sluice.storage.errors import StoreUnavailable
+from sluice.storage.quota_memory import MemoryQuotaStore, wall_ms
+from sluice.storage.quotas import (
     DEFAULT_DEDUPE_TTL_S,
     DEFAULT_LEASE_S,
     REASONS,
@@ -42,7 +42,7 @@ from billing.quotas import (
     ms_to_next_month,
     scaled,
 )
-from billing.tenants import PlanLimits
+from sluice.storage.tenants import PlanLimits
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from billing.quotas import (
+from sluice.storage.quotas import (
     DEFAULT_DEDUPE_TTL_S,
     DEFAULT_LEASE_S,
     WINDOW_MS,
@@ -23,7 +23,7 @@ from billing.quotas import (
     month_of,
     ms_to_next_month,
 )
-from billing.tenants import PlanLimits
+from sluice.storage.tenants import PlanLimits
 
 
 def wall_ms() -> int:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from billing.db import downgrade, is_current, make_engine, migrate
-from billing.health import check_database
-from tests.integration.billing.stores import DATABASE_URL, pg_schema
+from sluice.storage.db import downgrade, is_current, make_engine, migrate
+from sluice.storage.health import check_database
+from tests.integration.storage.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 
 TABLES = {"plans", "tenants", "api_keys", "model_prices", "usage_ledger", "files", "batches"}
@@ -69,7 +69,7 @@ def test_migrating_twice_is_a_no_op(tmp_path: Path, revision: str) -> None:
 
 
 def _migrate_embedded(path: str) -> None:
-    from billing.db import ensure_migrated
+    from sluice.storage.db import ensure_migrated
 
     ensure_migrated(make_engine(f"sqlite:///{path}"))
 

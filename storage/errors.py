@@ -1,6 +1,6 @@
 """Errors of `billing/`: one root, each class marked retryable or permanent.
 
-BillingError                      root; `retryable` tells the consume loop what to do
+StoreError                      root; `retryable` tells the consume loop what to do
 ├── StoreUnavailable  (retryable) the database or Redis did not answer
 ├── AuthenticationFailed (perm.)  unknown, revoked or malformed key: one message for all
 ├── InvalidInput      (permanent) a bad value from a caller (CLI exit code 2)
@@ -11,15 +11,15 @@ BillingError                      root; `retryable` tells the consume loop what 
 from __future__ import annotations
 
 
-class BillingError(Exception):
+class StoreError(Exception):
     retryable: bool = False
 
 
-class StoreUnavailable(BillingError):
+class StoreUnavailable(StoreError):
     retryable = True
 
 
-class AuthenticationFailed(BillingError):
+class AuthenticationFailed(StoreError):
     """The only error authentication raises; its text never says which check failed."""
 
     retryable = False
@@ -28,7 +28,7 @@ class AuthenticationFailed(BillingError):
         super().__init__("invalid API key")
 
 
-class InvalidInput(BillingError):
+class InvalidInput(StoreError):
     retryable = False
 
 

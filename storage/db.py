@@ -22,7 +22,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.orm import Session, sessionmaker
 
-from billing.errors import StoreUnavailable
+from sluice.storage.errors import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

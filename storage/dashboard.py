@@ -14,10 +14,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from billing.batch_store import RUNNING, BatchInfo, BatchStore
-from billing.db import Database
-from billing.models import Tenant, UsageEntry
-from billing.reports import _SUMS, Totals
+from sluice.storage.batches import RUNNING, BatchInfo, BatchStore
+from sluice.storage.db import Database
+from sluice.storage.tables import Tenant, UsageEntry
+from sluice.storage.usage import _SUMS, Totals
 
 
 @dataclass(frozen=True, slots=True)

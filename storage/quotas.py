@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from billing.tenants import PlanLimits
+from sluice.storage.tenants import PlanLimits
 
 DenyReason = Literal["requests", "tokens", "concurrency", "budget", "unavailable"]
 REASONS: tuple[DenyReason, ...] = ("requests", "tokens", "concurrency", "budget", "unavailable")

@@ -1,0 +1,1 @@
+"""Alembic environment and versions of the SQL store (`sluice migrate` runs them)."""
