@@ -90,8 +90,8 @@ def _client_error(request_id: str, delta: TokenDelta) -> str | None:
 # deltas held while a gap stays open, and for how long; past either the missing one is
 # taken as lost and what is held goes out with its gap. Short: a reordering (a retried
 # publish) closes its gap within this; a lost delta should cost the client little more
-# than the gap itself (the deltas once lost at 2+ workers were Tansu's, now fetched
-# again by the Kafka adapter: `bus.kafka._OffsetGaps`)
+# than the gap itself (a broker that skips records is fetched again by the Kafka
+# adapter: `bus.kafka._OffsetGaps`)
 MAX_HELD = 256
 GAP_WAIT_S = 2.0
 

@@ -146,7 +146,7 @@ class TelemetryTap:
     def __init__(self, bootstrap: str) -> None:
         self._bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-scale-tap"))
         # read after each window, never on a request's path: a long fetch wait spares the
-        # broker's CPU (an idle 5 ms fetch loop costs Tansu ~0.1 core, benchmarks/RESULTS.md)
+        # broker's CPU (an idle 5 ms fetch loop costs Tansu a tenth of a core)
         self._consumer = self._bus.consumer(
             f"scale-tap-{uuid.uuid4().hex[:8]}",
             [TELEMETRY_TOPIC],

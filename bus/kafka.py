@@ -7,7 +7,7 @@ so groups settle in seconds, and a small fetch wait because Tansu does not answe
 fetch early.
 
 Why librdkafka rather than kafka-python: its fetching, heartbeats and produce batching run
-in C threads, off the GIL and cheap when idle (the comparison: benchmarks/RESULTS.md, bus).
+in C threads, off the GIL and cheap when idle (`sluice bench bus` compares them).
 Keys go to partitions by murmur2 (`partitioner=murmur2_random`), as Kafka's Java client and
 `bus.partitioner`.
 """
@@ -75,7 +75,7 @@ class KafkaConfig:
     max_poll_interval_ms: int = 60000
     # The broker holds an empty fetch this long: short so tokens are not held back on a
     # broker that holds it the whole wait (Tansu), though each empty fetch costs the broker
-    # CPU (benchmarks/RESULTS.md); a consumer that carries no latency asks for a longer one
+    # CPU; a consumer that carries no latency asks for a longer one
     # (`consumer(max_wait_ms)`). SLUICE_KAFKA_FETCH_MAX_WAIT_MS sets it.
     fetch_max_wait_ms: int = 5
     linger_ms: int = 0

@@ -115,10 +115,9 @@ class MemoryEventBus:
         self._clock = clock
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # the bus's lock, held as a context
-        # who waits for a topic's records: a publish wakes only its readers. One condition
-        # for all woke every consumer thread of `sluice serve` (reply, engine poller,
-        # billing, quotas, tracing) at every delta publish, each taking the GIL to find
-        # nothing (benchmarks/RESULTS.md, Observability)
+        # who waits for a topic's records: a publish wakes only its readers, not every
+        # consumer thread of `sluice serve` (reply, engine poller, billing, quotas,
+        # tracing), each of which would take the GIL to find nothing
         self._readers: dict[str, set[MemoryConsumer]] = {}
         self._logs: dict[str, list[_Log]] = {}
         self._groups: dict[str, _Group] = {}

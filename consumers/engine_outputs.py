@@ -152,10 +152,10 @@ def render(parts: list[DeltaPart]) -> list[TokenDelta]:
     The gateway takes a delta only above the last seq_no it took, and cuts what precedes
     the tokens it has by the offsets, so one merged delta reads as its parts would. Fewer,
     larger deltas cost the encoder and every reader less, and each delivery of a request
-    is one event (with the parts, a bench read the 0 ms gaps between a message's deltas
-    as inter-token latency). The delta is built here, once per message, rather than per
-    step and merged: per-step construction was a large share of the publisher's CPU
-    (benchmarks/RESULTS.md).
+    is one event (with the parts, a reader would take the 0 ms gaps between a message's
+    deltas for inter-token latency). The delta is built here, once per message, rather
+    than per step and merged: per-step construction is a large share of the publisher's
+    CPU.
     """
     groups: dict[tuple[str, int], list[DeltaPart]] = {}
     for part in parts:
@@ -195,7 +195,7 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
         token_ids = [t for p in parts for t in p.delta.token_ids]
         text = "".join(p.delta.text for p in parts)
     # model_construct skips validation: every value comes from this worker and its engine
-    # (typed), and readers validate on decode (the saving: benchmarks/RESULTS.md)
+    # (typed), and readers validate on decode
     return TokenDelta.model_construct(
         request_id=item.request_id,
         attempt=item.attempt,

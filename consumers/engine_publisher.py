@@ -15,7 +15,7 @@ own in one message. First tokens and terminal deltas never wait; whatever the ta
 holds goes with them. Held deltas' progress is recorded only once they are sent, so a
 failover resumes after what clients were sent, never after what was merely held.
 Why: every message costs the broker and the reading gateway, whatever its size, and the
-engine steps every few ms (benchmarks/RESULTS.md). The gateway's reply consumer fetches every
+engine steps every few ms. The gateway's reply consumer fetches every
 `fetch_max_wait_ms` (5 ms) anyway, so deltas sent a few ms apart mostly arrive together.
 """
 

@@ -108,8 +108,8 @@ class ProgressStore(Protocol):
 async def call(store: ProgressStore, io: Executor, fn: Callable[[_A], _R], arg: _A) -> _R:
     """`fn(arg)`, a method of `store`: inline when the store is in-process, else on `io`.
 
-    The hop to a thread and back cost far more than the in-memory call itself, on every
-    request's way to the engine (benchmarks/RESULTS.md).
+    The hop to a thread and back costs far more than the in-memory call itself, on every
+    request's way to the engine.
     """
     if store.in_process:
         return fn(arg)

@@ -1,9 +1,8 @@
 """Which cores the engine's threads run on, and keeping everything else off them.
 
 On CPU the engine's step thread (and torch's threads under it) may need to own its cores:
-with everything else of the host free to run anywhere, a saturated engine thread spent
-part of its time runnable but waiting for its core (benchmarks/RESULTS.md, serving,
-2026-11-30). vLLM's CPU backend binds its OpenMP threads to cores for the same reason
+with everything else of the host free to run anywhere, a saturated engine thread spends
+part of its time runnable but waiting for its core. vLLM's CPU backend binds its OpenMP threads to cores for the same reason
 (`VLLM_CPU_OMP_THREADS_BIND`), leaving cores to the serving front end.
 
 Linux only (`os.sched_setaffinity`); elsewhere nothing is pinned.

@@ -6,7 +6,7 @@ Called by `engine.loader.load_model(..., quantization="int8")`; swaps every proj
 
 Kernel choice: the fused `aten._weight_int8pack_mm` (int8 weights, bf16 activations,
 scales applied in the kernel) beats dequantize-then-matmul and dense bf16 for batch-1
-decode GEMVs (benchmarks/RESULTS.md); in fp32 it is very slow, so fp32 models run the
+decode GEMVs; in fp32 it is very slow, so fp32 models run the
 int8 matmul with bf16 activations and cast back. On CPU the runner also hands each layer
 the native kernels (`use_kernels`): fp32 inputs of at most `kernels.MAX_ROWS` rows (the
 fused decode path) then take `CpuOps.int8_linear`, which streams the int8 weights once

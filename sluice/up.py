@@ -264,7 +264,7 @@ def run_up(
         broker = TansuBroker(binary=tansu_bin, own_process_group=True).start()
         kafka_bootstrap = broker.bootstrap
         logger.info("no SLUICE_KAFKA_BOOTSTRAP: started Tansu on %s", kafka_bootstrap)
-        # Tansu's round trip grows with a partition's size (benchmarks/RESULTS.md, bus)
+        # Tansu's round trip grows with a partition's size
         logger.warning(
             "this Tansu keeps every message in memory and slows down as a partition grows "
             "(a gateway's reply topic takes up to ~100 messages/s while streaming): fine for "

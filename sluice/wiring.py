@@ -68,7 +68,7 @@ def freeze_heap() -> None:
 
     A full (generation 2) collection walks every tracked object; with torch, the tokenizer
     and the pydantic models loaded it stalls every stream of the process at once for tens
-    to hundreds of ms (benchmarks/RESULTS.md). `gc.freeze()` moves every object alive now to
+    to hundreds of ms. `gc.freeze()` moves every object alive now to
     a permanent generation that collections skip; what requests allocate later is
     collected as before.
     """
@@ -182,8 +182,8 @@ def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
     """SLUICE_TORCH_THREADS; unset: on CPU every core this process may use but one.
 
     The engine shares the host with the Kafka client threads, the broker and the
-    gateway; with a thread on every core its steps wait for whichever core they took
-    (benchmarks/RESULTS.md). None: leave torch's default (CUDA: host threads matter little).
+    gateway; with a thread on every core its steps wait for whichever core they took.
+    None: leave torch's default (CUDA: host threads matter little).
     """
     if settings.torch_threads is not None:
         return settings.torch_threads
@@ -197,7 +197,7 @@ def resolve_prefill_threads(settings: ModelSettings, device: str) -> int | None:
     engine's threads or cores were chosen (SLUICE_TORCH_THREADS, SLUICE_ENGINE_CPUS).
 
     The core left to the rest by `resolve_torch_threads` idles through most of a prefill:
-    a step of many tokens is long enough to share it (benchmarks/RESULTS.md, Serving).
+    a step of many tokens is long enough to share it.
     """
     if settings.prefill_threads is not None:
         return settings.prefill_threads
@@ -213,9 +213,9 @@ def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
     SLUICE_PREFILL_THREADS, SLUICE_ENGINE_CPUS), 2 on a host of 2 cores or more whose
     memory holds both model copies with room to spare, else 1.
 
-    Two single-threaded engines on 2 cores outran one engine with prefill threads by
-    1.17x at a burst (benchmarks/RESULTS.md, Serving): neither waits for a thread that
-    lost its core to the gateway (`engine.backends.replicated`).
+    Two single-threaded engines on 2 cores outrun one engine with prefill threads at a
+    burst: neither waits for a thread that lost its core to the gateway
+    (`engine.backends.replicated`).
     """
     if not settings.engine_process or settings.backend != "torch":
         return 1

@@ -1,4 +1,4 @@
-"""The batch store: files, batches and batch lines in the billing database.
+"""The batch store: files, batches and batch lines in the SQL store.
 
 Every process (gateways, the batches worker, `sluice serve`) reads and writes batches
 here, so their state survives any process (docs/architecture.md §14). Each change is

@@ -2,7 +2,7 @@
 batches in progress.
 
 Read by `/dashboard/data` (api/routes/dashboard.py). Spend is the ledger's `cost_picos`,
-priced when each usage was billed, summed exactly as the usage reports (`billing.reports`)
+priced when each usage was billed, summed exactly as the usage reports (`storage.usage`)
 sum it.
 """
 

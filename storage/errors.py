@@ -1,6 +1,6 @@
-"""Errors of `billing/`: one root, each class marked retryable or permanent.
+"""Errors of the stores (`storage/`): one root, each class marked retryable or permanent.
 
-StoreError                      root; `retryable` tells the consume loop what to do
+StoreError                        root; `retryable` tells the consume loop what to do
 ├── StoreUnavailable  (retryable) the database or Redis did not answer
 ├── AuthenticationFailed (perm.)  unknown, revoked or malformed key: one message for all
 ├── InvalidInput      (permanent) a bad value from a caller (CLI exit code 2)

@@ -1,6 +1,6 @@
 """Reachability checks for the stores behind billing and quotas (used by `sluice doctor`).
 
-Lives here because only `billing/` touches SQL and Redis (docs/architecture.md §3).
+Lives here because only `storage/` touches SQL and Redis (docs/architecture.md §3).
 """
 
 from __future__ import annotations

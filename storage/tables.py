@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the billing store: tenants, plans, keys, prices, the usage ledger.
+"""The SQL tables: tenants, plans, keys, prices, the usage ledger, files, batches and lines.
 
 Money is integers, never floats: budgets and prices in micro-dollars (1e-6 USD; prices
 per million tokens), ledger costs in pico-dollars (1e-12 USD) so that

@@ -1,4 +1,5 @@
-"""How tests reach real services: fail in CI when one is missing, skip elsewhere (DESIGN §9)."""
+"""How tests reach real services: fail in CI when one is missing, skip elsewhere
+(docs/architecture.md §9)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """OTLP/protobuf encoding of finished spans, written straight to the wire format.
 
 The SDK's exporter encodes a span by building a protobuf object per attribute, value,
-event and status (`encode_spans` in opentelemetry-exporter-otlp-proto-common): about
-80 µs a span of ~20 attributes, the largest single cost of tracing in a serving process
-(benchmarks/RESULTS.md, Observability). This module writes the same
+event and status (`encode_spans` in opentelemetry-exporter-otlp-proto-common), the
+largest single cost of tracing in a serving process (`sluice bench observability`
+measures it). This module writes the same
 `ExportTraceServiceRequest` bytes directly (the message equals the SDK's; a test checks
 it field by field on every kind of value), and `FastOTLPSpanExporter` sends them with the
 SDK's own HTTP exporter, so its endpoint, headers, compression, retries and metrics are

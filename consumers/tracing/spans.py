@@ -12,9 +12,8 @@ it into two spans with explicit start and end times (unix ms → ns):
 
 Where the time went is in events and in seconds-valued attributes (`sluice.latency.*` on
 `process`; vLLM's `gen_ai.latency.*` on the inference span) rather than in a child span
-per phase: the four phase spans doubled the spans a request costs, and every span is
-built, encoded and exported in the serving process (benchmarks/RESULTS.md,
-Observability).
+per phase: phase spans would double the spans a request costs, and every span is
+built, encoded and exported in the serving process.
 
 `process` is parented to the gateway's `send` span (the context in the headers) rather
 than linked to it, as the messaging conventions allow: a request/response pipeline reads

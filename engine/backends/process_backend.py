@@ -3,10 +3,9 @@
 Why: in one process the engine thread shares the GIL with whatever else runs there (the
 engine worker's asyncio loop and Kafka clients, or a gateway). Torch releases the GIL
 inside each op and takes it back after, hundreds of times per step; each time another
-thread holds it, the engine waits (at saturation it lost a measurable share of each step:
-benchmarks/RESULTS.md, serving, 2026-11-30). vLLM's V1 engine runs its EngineCore in a
-separate process from the API server for the same reason: the Python work around the
-engine no longer competes with it for the GIL.
+thread holds it, the engine waits, a measurable share of each step at saturation. vLLM's
+V1 engine runs its EngineCore in a separate process from the API server for the same
+reason: the Python work around the engine does not compete with it for the GIL.
 
 How: `start()` spawns the process, which loads the model (`TorchEngineBackend`, its
 engine thread as usual) and says it is ready. Commands go down one pipe (`AddRequest`,

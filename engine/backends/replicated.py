@@ -3,8 +3,8 @@
 Why: on a CPU host an engine step of a small model is compute-bound on one core, and its
 threads share nothing but the weights they read. One engine with two threads splits each
 GEMM between them and waits at every barrier for whichever thread lost its core to the
-gateway; two engines with a thread each wait for nothing: each takes the cycles it gets
-(benchmarks/RESULTS.md, Serving). vLLM offers the same split as its data-parallel size.
+gateway; two engines with a thread each wait for nothing: each takes the cycles it gets.
+vLLM offers the same split as its data-parallel size.
 
 How: each replica is a `ProcessEngineBackend` with its own model copy and its own share of
 the KV cache. `submit` sends a request to the replica holding the fewest unfinished ones

@@ -77,7 +77,7 @@ class TorchEngineBackend:
         # After a step that gave a request its first token, the engine thread sleeps this
         # long before the next step, so the thread that delivers the step (the asyncio
         # loop, woken by `_publish`) gets a core and the GIL now rather than after the
-        # next step; only steps that give first tokens pay it (benchmarks/RESULTS.md).
+        # next step; only steps that give first tokens pay it.
         self.first_token_yield_s = 0.0002
 
     @classmethod

@@ -1,9 +1,9 @@
 """CPU fast path for projections: oneDNN-prepacked weights (what inductor's freezing does).
 
 Applied by `engine.runner.model_runner.ModelRunner` to a model on CPU. On a CPU with
-native bf16, prepacked GEMVs run ~3x faster than `F.linear` with bit-identical results in
-bf16; fp32 gains too, with ~1e-5 relative differences (a different reduction order);
-figures in benchmarks/RESULTS.md. Falls back to the plain linear when oneDNN is unavailable.
+native bf16, prepacked GEMVs run several times faster than `F.linear` with bit-identical
+results in bf16; fp32 gains too, with ~1e-5 relative differences (a different reduction
+order). Falls back to the plain linear when oneDNN is unavailable.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def row_bucket(rows: int) -> int:
     padding, and 72 distinct sizes up to 2,048 rows.
 
     oneDNN builds a primitive for every new input shape, which costs more than the matmul
-    for a small model (nearly doubling a prefill step; benchmarks/RESULTS.md). A step's
-    row count is the tokens it schedules, different almost every time under load, so
-    unbucketed steps kept paying it (its cache also holds only 1,024 primitives).
+    for a small model. A step's row count is the tokens it schedules, different almost
+    every time under load, so unbucketed steps would keep paying it (its cache also holds
+    only 1,024 primitives).
     """
     if rows <= 16:
         return rows
@@ -50,10 +50,8 @@ class RowPlan:
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
 
-    Which is faster depends on the CPU and the shape: on an AVX-512 CPU prepacking won
-    everywhere; on an AVX2-only one `F.linear` won tiny-llama's small fp32 projections at
-    few rows (benchmarks/RESULTS.md). So the plain weight
-    is kept for the row buckets where `tune_row_buckets` measured `F.linear` faster
+    Which is faster depends on the CPU and the shape: on an AVX2-only CPU `F.linear` can
+    win small fp32 projections at few rows. So the plain weight is kept for the row buckets where `tune_row_buckets` measured `F.linear` faster
     (`plan`), and dropped when there are none.
 
     With `small_dtype` bf16 (a bf16 checkpoint) it also keeps the weight in bf16 for fp32
@@ -175,8 +173,7 @@ def native_low_precision(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies `dtype` in hardware (AVX-512 BF16/FP16, AMX, AVX-NE-CONVERT).
 
     Without it (an AVX2-only CPU) torch emulates bf16/fp16 matmuls by converting to fp32
-    inside the kernel: a bf16 prefill then takes several times as long as fp32
-    (benchmarks/RESULTS.md).
+    inside the kernel: a bf16 prefill then takes several times as long as fp32.
     """
     if dtype == torch.float32:
         return True

@@ -3,8 +3,8 @@
 Used by `engine.models.cpu_linear.pack_linears` for the prepacked weights: a batch-1 decode
 step streams every weight once (~78 MB for the bench model), and with 4 KiB pages each page
 starts with a TLB miss and a cold hardware prefetcher. Backing the weights with 2 MiB pages
-makes decode faster (benchmarks/RESULTS.md; torch's own THP_MEM_ALLOC_ENABLE=1 must be set
-before torch starts, this does the same after the fact). Packed oneDNN tensors expose no
+makes decode faster (torch's own THP_MEM_ALLOC_ENABLE=1 must be set before torch starts;
+this does the same after the fact). Packed oneDNN tensors expose no
 data pointer, so the ranges come from diffing /proc/self/maps around the allocation,
 and are collapsed with madvise(MADV_COLLAPSE)
 (Linux >= 6.1; contents are preserved, it only changes the page size). A heap that grew

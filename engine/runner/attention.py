@@ -76,7 +76,6 @@ class AttentionMetadata:
     # small ops on these kernels (DecoderLayer.forward_bf16, `positions` set), and the
     # groups with `row_keys` attend on `CpuOps.attn_paged`, reading the blocks in place
     # where gather + SDPA copies every request's keys padded to the longest and masks
-    # (benchmarks/RESULTS.md, Engine)
     bf16_ops: CpuOps | None = None
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:

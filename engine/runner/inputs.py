@@ -107,8 +107,7 @@ def prepare_inputs(
     elif bf16_ops is not None:
         meta.bf16_ops, meta.positions = bf16_ops, rows[1]
         # every group attends a row at a time on the paged kernel: a prefill chunk's rows
-        # too, where SDPA pays a padded, masked gather (2x slower at 128 to 4,000 tokens,
-        # benchmarks/RESULTS.md, Engine)
+        # too, where SDPA pays a padded, masked gather
         for grp in groups:
             grp.row_keys = rows[1, grp.row_start : grp.row_start + grp.num_rows] + 1
         if prefills:

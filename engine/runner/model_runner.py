@@ -148,8 +148,8 @@ class ModelRunner:
         self.dtype = compute_dtype(self.weights_dtype, self.device, options.cpu_upcast)
         if self.dtype != self.weights_dtype:
             upcast(model, self.dtype)
-        # flush denormals: random/small activations hit x87-speed denormal paths otherwise
-        # (a 15-30x slower decode: benchmarks/RESULTS.md)
+        # flush denormals: random/small activations hit x87-speed denormal paths otherwise,
+        # an order of magnitude slower decode
         torch.set_flush_denormal(True)
         self.num_packed = 0
         if self.device.type == "cpu" and options.prepack:
