@@ -184,7 +184,7 @@ def call_id(conn: HTTPConnection) -> str:
 
 T = TypeVar("T")
 # Below this a body tokenizes in microseconds on the loop; a hop to a worker thread costs
-# a scheduling wait (seen at the TTFT p99 on 2 cores). Above it, or with no length
+# a scheduling wait that shows in the TTFT p99. Above it, or with no length
 # (chunked), tokenizing could block every other request: it runs on a thread.
 INLINE_BUILD_MAX_BYTES = 16 * 1024
 

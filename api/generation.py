@@ -241,9 +241,8 @@ class Generation:
             timeout = min(timeout, max(0.0, min(gaps) - now))
         try:
             # not asyncio.wait_for: on 3.11 it returns the result instead of raising when
-            # the caller is cancelled as the event arrives, and the cancelled stream then
-            # waited for the next event (up to max_wait_s): seen as 120 s stalls in
-            # `bench serving`'s fairness run while it cancelled 500 streams
+            # the caller is cancelled as the event arrives, and the cancelled stream would
+            # then wait for the next event (up to max_wait_s) while holding its slot
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
