@@ -280,7 +280,8 @@ class StepTimer:
     lookup and one observation.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # injectable so a test can set each gap
         self._last: dict[str, float] = {}  # request_id → when its latest tokens came
         self._children: dict[str, tuple[Any, Any]] = {}
 
@@ -294,7 +295,7 @@ class StepTimer:
             logger.warning("step metrics not recorded", exc_info=True)
 
     def _step(self, tokens: Iterable[tuple[str, str, int, bool]]) -> None:
-        now = time.monotonic()
+        now = self._clock()
         last = self._last
         # a step's requests mostly share their previous step: one observation of each
         # distinct gap, counted as many times as it occurs (`_observe_many`)
@@ -434,13 +435,14 @@ class BillingLag:
     """`sluice_billing_lag_seconds`: now minus the finish of the newest record billed,
     computed at scrape time so an idle consumer's lag keeps growing."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # wall-clock seconds; injectable so a test can fix "now"
         self._newest_ms: int | None = None
         BILLING_LAG.set_function(self.seconds)
 
     def seconds(self) -> float:
         newest = self._newest_ms
-        return math.nan if newest is None else max(0.0, time.time() - newest / 1000)
+        return math.nan if newest is None else max(0.0, self._clock() - newest / 1000)
 
     def billed(self, usage: UsageRecord, new: bool) -> None:
         if not _enabled:
