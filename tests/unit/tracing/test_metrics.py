@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,23 +182,25 @@ def test_memory_consumer_lag_is_end_minus_position() -> None:
 
 def test_step_timer_spreads_a_step_over_its_tokens() -> None:
     model = f"m-{uuid.uuid4().hex[:8]}"
-    timer = metrics.StepTimer()
+    now = [100.0]
+    timer = metrics.StepTimer(clock=lambda: now[0])
     timer.step([("a", model, 1, False)])  # the first token: no gap yet
-    time.sleep(0.01)
+    now[0] += 0.3
     timer.step([("a", model, 3, False)])  # three tokens in one step: three gaps
     timer.step([("a", model, 0, True)])
     labels = {"model_name": model}
     assert sample("vllm:inter_token_latency_seconds_count", labels) == 3
     assert sample("vllm:generation_tokens_total", labels) == 4
     total = sample("vllm:inter_token_latency_seconds_sum", labels)
-    assert 0.009 <= total < 5  # the one interval, split three ways, sums back to it
+    assert total == pytest.approx(0.3)  # the one interval, split three ways, sums back to it
     assert timer._last == {}
 
 
 def test_billing_lag_is_nan_until_a_record_then_now_minus_its_finish() -> None:
-    lag = metrics.BillingLag()
+    now_s = 1_700_000_000.0
+    lag = metrics.BillingLag(clock=lambda: now_s)
     assert math.isnan(lag.seconds())
-    finished_ms = int(time.time() * 1000) - 5000
+    finished_ms = int(now_s * 1000) - 5000
     usage = UsageRecord(
         request_id="r",
         tenant_id="t",
@@ -213,7 +214,7 @@ def test_billing_lag_is_nan_until_a_record_then_now_minus_its_finish() -> None:
     before = sample("sluice_tokens_billed_total", {"lane": "batch"})
     lag.billed(usage, new=True)
     lag.billed(usage, new=False)  # a redelivery bills nothing
-    assert 4.5 < lag.seconds() < 60
+    assert lag.seconds() == 5.0
     assert sample("sluice_tokens_billed_total", {"lane": "batch"}) - before == 7
 
 
@@ -341,7 +342,7 @@ def test_admission_billing_and_publish_through_the_whole_flow(tenancy_db: Databa
         assert generated == sum(u["completion_tokens"] for u in usage)
         billed = sample("sluice_tokens_billed_total", text=text) - before["billed"]
         assert billed == sum(u["total_tokens"] for u in usage)
-        assert 0 <= sample("sluice_billing_lag_seconds", text=text) < 60
+        assert sample("sluice_billing_lag_seconds", text=text) >= 0  # a number, not NaN
     finally:
         stack.close()
 
