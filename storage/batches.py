@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -141,8 +141,9 @@ class LineOutcome:
 
 
 class BatchStore:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, clock: Callable[[], int] = now_s) -> None:
         self.db = db
+        self.clock = clock  # whole seconds; injectable so a test can lapse a lease
 
     # -- files ---------------------------------------------------------------------
     def create_file(
@@ -163,7 +164,7 @@ class BatchStore:
                 purpose=purpose,
                 filename=filename,
                 bytes=len(content),
-                created_at=now_s(),
+                created_at=self.clock(),
                 content=content,
             )
             s.add(row)
@@ -228,7 +229,7 @@ class BatchStore:
         window_s: int,
         metadata: dict[str, str] | None,
     ) -> BatchInfo:
-        created = now_s()
+        created = self.clock()
         row = BatchRow(
             id=new_id("batch"),
             tenant_id=tenant_id,
@@ -283,7 +284,7 @@ class BatchStore:
         values = dict(values)
         stamp = f"{to_status}_at"
         if stamp in _BATCH_FIELDS and stamp not in values:
-            values[stamp] = now_s()
+            values[stamp] = self.clock()
         with self.db.session() as s:
             result = s.execute(
                 sa.update(BatchRow)
@@ -295,7 +296,7 @@ class BatchStore:
     def claim(self, batch_id: str, owner: str, ttl_s: float) -> bool:
         """Take the batch's step lease for `ttl_s`, or renew it for its holder; False
         while another owner holds it (its step runs, or died less than its ttl ago)."""
-        now = now_s()
+        now = self.clock()
         with self.db.session() as s:
             result = s.execute(
                 sa.update(BatchRow)
