@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from sluice.tracing import spans as names
 from tests.unit.api.fakes import FakeEngineWorker, served_model
 from tests.unit.consumers.batch_replies import delta, publish
 from tests.unit.tracing.memory_spans import by_name, span_id, spans, trace_id
+from tests.waiting import wait_until
 
 __all__ = ["spans"]  # the fixture
 
@@ -93,13 +94,6 @@ def create(store: BatchStore, content: str, tenant: str = "t1") -> BatchInfo:
         window_s=3600,
         metadata=None,
     )
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.02)
 
 
 def output_lines(store: BatchStore, batch: BatchInfo, file_id: str | None) -> list[dict]:
@@ -243,13 +237,20 @@ def test_in_process_steps_wait_for_the_engine_worker(
     from sluice.consumers.batches.tasks import InProcessBatches
 
     ready = threading.Event()
+    asked = threading.Semaphore(0)
+
+    def engine_ready() -> bool:
+        asked.release()
+        return ready.is_set()
+
     batches = InProcessBatches(
-        make_runner(store, bus), BatchLimits(), recover_on_start=False, engine_ready=ready.is_set
+        make_runner(store, bus), BatchLimits(), recover_on_start=False, engine_ready=engine_ready
     ).start()
     try:
         batch = create(store, chat("a", 3) + "\n")
         batches.submitted(batch)
-        time.sleep(0.3)
+        for _ in range(2):  # the step has asked, been told no, and asked again
+            assert asked.acquire(timeout=10), "the step never asked whether the engine is ready"
         assert store.get_batch(batch.id).status == "validating"  # type: ignore[union-attr]
         assert not engine.requests
         ready.set()
@@ -264,6 +265,8 @@ def test_a_step_killed_holding_its_batch_is_rerun_by_the_sweep_once_its_lease_la
     engine: FakeEngineWorker,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    now = [int(time.time())]
+    store = BatchStore(store.db, clock=lambda: now[0])
     runner = make_runner(store, bus, publish_chunk=2, lease_s=1)
     batch = create(store, "\n".join(chat(f"l{i}") for i in range(5)) + "\n")
     mark_queued = store.mark_queued
@@ -283,7 +286,7 @@ def test_a_step_killed_holding_its_batch_is_rerun_by_the_sweep_once_its_lease_la
     with Collecting(runner):
         runner.sweep()  # the lease still holds: the step may be alive
         assert states().count("pending") == 3
-        time.sleep(2.1)  # whole seconds: lapsed once the clock passed its end
+        now[0] += 2  # whole seconds: lapsed once the clock passed its end
         runner.sweep()
         wait_until(lambda: store.get_batch(batch.id).status == "completed")  # type: ignore[union-attr]
     done = store.get_batch(batch.id)
