@@ -125,6 +125,9 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(BaseModel):
+    """A sampled token's logprob on the wire; the engine keeps its own `EngineLogprob`
+    (it imports nothing of ours), which `consumers.engine_outputs` converts to this."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     token_id: int

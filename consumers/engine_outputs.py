@@ -8,7 +8,7 @@ one `UsageRecord` per finished attempt (keyed by tenant), one `TelemetryRecord` 
 finished attempt, and the `StepProgress` entries the progress store records once the
 publishes are confirmed.
 
-The engine's own records (`engine.backends.base.FinishReason`, `TokenLogprob`) become the
+The engine's own records (`engine.backends.base.FinishReason`, `EngineLogprob`) become the
 bus's here and only here: `to_bus_finish_reason`, `to_bus_logprobs`,
 `to_bus_prompt_logprobs` (the engine does not import the bus).
 
@@ -34,9 +34,8 @@ from sluice.bus.messages import (
 )
 from sluice.consumers.progress import StepProgress
 from sluice.consumers.work_item import EndReason, WorkItem, now_ms
-from sluice.engine.backends.base import EngineDelta
+from sluice.engine.backends.base import EngineDelta, EngineLogprob
 from sluice.engine.backends.base import FinishReason as EngineFinishReason
-from sluice.engine.backends.base import TokenLogprob as EngineTokenLogprob
 
 
 def to_bus_finish_reason(reason: EngineFinishReason) -> FinishReason:
@@ -49,7 +48,7 @@ def to_bus_finish_reason(reason: EngineFinishReason) -> FinishReason:
 
 
 def to_bus_prompt_logprobs(
-    logprobs: list[EngineTokenLogprob | None],
+    logprobs: list[EngineLogprob | None],
 ) -> list[PromptLogprob | None]:
     """The bus's prompt logprob records for the engine's (None stays None: the first)."""
     return [
@@ -65,7 +64,7 @@ def to_bus_prompt_logprobs(
     ]
 
 
-def to_bus_logprobs(logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
+def to_bus_logprobs(logprobs: list[EngineLogprob]) -> list[TokenLogprob]:
     """The bus's logprob records for the engine's, in order."""
     return [
         TokenLogprob(

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from sluice.engine.backends.base import (
     EngineDelta,
+    EngineLogprob,
     EngineRequest,
     EngineStats,
     FinishReason,
-    TokenLogprob,
     check_request,
 )
 from sluice.engine.config import EngineConfig
@@ -92,7 +92,7 @@ class _RequestState:
     detokenizer: Detokenizer | None
     want_logprobs: bool
     # filled chunk by chunk during the prefill, sent on the first token's delta (then None)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[EngineLogprob | None] | None = None
 
 
 class EngineCore:
@@ -167,7 +167,7 @@ class EngineCore:
         elif request.sampling_params.constraint is not None:
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
             raise RequestRejectedError("this engine has no structured outputs")
-        prompt_logprobs: list[TokenLogprob | None] | None = None
+        prompt_logprobs: list[EngineLogprob | None] | None = None
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None] * request.num_prompt_tokens
         self._states[request.request_id] = _RequestState(
@@ -228,7 +228,7 @@ class EngineCore:
             self.num_first_tokens += 1
         delta = EngineDelta(request.request_id, [token_id])
         if state.want_logprobs and sampled.logprob is not None:
-            delta.logprobs = [TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]
+            delta.logprobs = [EngineLogprob(token_id, sampled.logprob, sampled.top_logprobs or [])]
         if state.prompt_logprobs is not None:
             delta.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         status = request.status
@@ -325,4 +325,4 @@ def _store_prompt_logprobs(state: _RequestState, chunk: PromptLogprobsChunk) -> 
         zip(chunk.logprobs, chunk.ranks, chunk.top_logprobs, strict=True)
     ):
         i = chunk.start + j
-        out[i] = TokenLogprob(prompt[i], logprob, top, rank)
+        out[i] = EngineLogprob(prompt[i], logprob, top, rank)

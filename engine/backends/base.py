@@ -30,12 +30,12 @@ __all__ = [
     "EngineDeadError",
     "EngineDelta",
     "EngineError",
+    "EngineLogprob",
     "EngineRequest",
     "EngineStats",
     "FinishReason",
     "RequestRejectedError",
     "RestartableBackend",
-    "TokenLogprob",
     "check_request",
     "terminal_delta",
 ]
@@ -68,9 +68,12 @@ class EngineRequest:
 
 
 @dataclass(slots=True)
-class TokenLogprob:
+class EngineLogprob:
     """The sampled (or prompt) token's raw logprob and the most likely alternatives, best
-    first; `rank` (1 = most likely) is set for prompt tokens."""
+    first; `rank` (1 = most likely) is set for prompt tokens.
+
+    The engine's own record, apart from the bus's wire `TokenLogprob`/`PromptLogprob`
+    because the engine imports nothing of ours; `consumers.engine_outputs` converts."""
 
     token_id: int
     logprob: float
@@ -94,8 +97,8 @@ class EngineDelta:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: list[EngineLogprob] | None = None
+    prompt_logprobs: list[EngineLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int | None = None

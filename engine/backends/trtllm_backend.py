@@ -47,11 +47,11 @@ from typing import Any
 from sluice.engine.backends.base import (
     EngineDeadError,
     EngineDelta,
+    EngineLogprob,
     EngineRequest,
     EngineStats,
     FinishReason,
     RequestRejectedError,
-    TokenLogprob,
     call_on_loop,
     check_request,
     queued_batches,
@@ -343,7 +343,7 @@ class TrtllmEngineBackend:
         return reason is not None
 
     @staticmethod
-    def _logprobs(live: _Live, token_ids: list[int], completion: Any) -> list[TokenLogprob] | None:
+    def _logprobs(live: _Live, token_ids: list[int], completion: Any) -> list[EngineLogprob] | None:
         """The new tokens' logprobs: each a dict token id -> Logprob(logprob, rank), the
         sampled token's and the top k, or a plain float where the flow gives only that."""
         k = live.request.sampling_params.logprobs
@@ -352,12 +352,12 @@ class TrtllmEngineBackend:
         out = []
         for token_id, entry in zip(token_ids, completion.logprobs_diff, strict=False):
             if not isinstance(entry, dict):
-                out.append(TokenLogprob(token_id, float(entry)))
+                out.append(EngineLogprob(token_id, float(entry)))
                 continue
             sampled = entry.get(token_id)
             ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
             out.append(
-                TokenLogprob(
+                EngineLogprob(
                     token_id,
                     float(sampled.logprob) if sampled is not None else float("-inf"),
                     [(i, float(lp.logprob)) for i, lp in ranked[:k]],
@@ -456,7 +456,7 @@ class TrtllmEngineBackend:
         stop_reason: str | int | None = None,
         error: str | None = None,
         retryable: bool = False,
-        logprobs: list[TokenLogprob] | None = None,
+        logprobs: list[EngineLogprob] | None = None,
     ) -> None:
         """Add to this pass's delta of the request; the terminal one carries the usage."""
         if live.done:

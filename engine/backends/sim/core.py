@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 from sluice.engine.backends.base import (
     EngineDelta,
+    EngineLogprob,
     EngineRequest,
     FinishReason,
     RequestRejectedError,
-    TokenLogprob,
 )
 from sluice.engine.backends.sim.presets import SimPreset
 
@@ -388,7 +388,7 @@ class SimCore:
         if params.logprobs is not None:
             size = len(alphabet)
             top = [(alphabet[(index + k) % size], -1.0 - k) for k in range(params.logprobs)]
-            logprobs = [TokenLogprob(token_id, -1.0, top)]
+            logprobs = [EngineLogprob(token_id, -1.0, top)]
         if reason is None:
             return EngineDelta(sim.request_id, [token_id], text, logprobs)
         self.running.remove(sim)

@@ -145,17 +145,17 @@ def test_an_interval_of_zero_sends_every_step() -> None:
 def test_a_requests_held_parts_go_out_as_one_delta_with_the_last_seq_no_and_ending() -> None:
     from sluice.bus.messages import Usage
     from sluice.consumers.engine_outputs import build_step, render
-    from sluice.engine.backends.base import TokenLogprob
+    from sluice.engine.backends.base import EngineLogprob
 
     store = MemoryProgressStore()
     a, b = _item(store, "a"), _item(store, "b")
     for item in (a, b):  # earlier messages took them to seq_no 3 at offset 10
         item.seq_no, item.token_offset, item.text_offset = 3, 10, 10
 
-    def lp(*tokens: int) -> list[TokenLogprob]:
-        return [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
+    def lp(*tokens: int) -> list[EngineLogprob]:
+        return [EngineLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
 
-    prompt_lp = [None, TokenLogprob(9, -1.5, [(3, -0.25)], rank=4)]
+    prompt_lp = [None, EngineLogprob(9, -1.5, [(3, -0.25)], rank=4)]
     steps = [
         [
             (a, EngineDelta("a", [1, 2], "ab", logprobs=lp(1, 2), prompt_logprobs=prompt_lp)),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from sluice.engine.backends.base import EngineDelta, EngineRequest, TokenLogprob
+from sluice.engine.backends.base import EngineDelta, EngineLogprob, EngineRequest
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine_core import EngineCore, tokenizer_detokenizers
 from sluice.engine.loader import LoadedModel, load_model
@@ -73,7 +73,7 @@ def params(prompt_logprobs: int | None = 3, max_tokens: int = 4) -> SamplingPara
     )
 
 
-def prompt_logprobs_of(deltas: list[EngineDelta]) -> list[TokenLogprob | None]:
+def prompt_logprobs_of(deltas: list[EngineDelta]) -> list[EngineLogprob | None]:
     """The one delta's prompt logprobs: the first, and no other delta has any."""
     assert deltas[0].token_ids
     assert all(d.prompt_logprobs is None for d in deltas[1:])
@@ -82,7 +82,7 @@ def prompt_logprobs_of(deltas: list[EngineDelta]) -> list[TokenLogprob | None]:
     return got
 
 
-def check(got: list[TokenLogprob | None], prompt: list[int], lp: torch.Tensor, k: int) -> None:
+def check(got: list[EngineLogprob | None], prompt: list[int], lp: torch.Tensor, k: int) -> None:
     assert len(got) == len(prompt) and got[0] is None
     for i in range(1, len(prompt)):
         entry, row = got[i], lp[i - 1]  # position i - 1 predicts token i
