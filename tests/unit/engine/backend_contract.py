@@ -27,6 +27,7 @@ from sluice.engine.backends.base import (
     RequestRejectedError,
 )
 from sluice.engine.sampling import SamplingParams
+from tests.waiting import wait_until_async
 
 PROMPT = list(range(1, 19))
 KILL_MESSAGE = "device fell over"  # what `ContractTarget.kill` makes the engine raise
@@ -113,7 +114,7 @@ def check_abort_mid_stream_ends_with_abort(target: ContractTarget) -> None:
         assert last.finish_reason == "abort"
         assert last.num_output_tokens is not None and 1 <= last.num_output_tokens < 40
         assert last.num_output_tokens == len(output_tokens(out["long"]))
-        await _until(lambda: backend.stats().kv_usage == 0.0)
+        await wait_until_async(lambda: backend.stats().kv_usage == 0.0, 5.0, "blocks freed")
         backend.shutdown()
 
     asyncio.run(main())
@@ -150,9 +151,10 @@ def check_idle_engine_does_not_step_and_reports_stats(target: ContractTarget) ->
         backend.start()
         backend.submit(EngineRequest("a", PROMPT, greedy(3)))
         await collect(backend, {"a"})
-        await _until(lambda: backend.stats().num_running == 0)
+        # stats are published after the step that delivered the deltas
+        await wait_until_async(lambda: backend.stats().num_running == 0, 5.0, "an idle engine")
         steps = backend.stats().num_steps
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # a window to watch it idle: the behaviour, not a wait
         stats = backend.stats()
         assert stats.num_steps == steps
         assert (stats.num_waiting, stats.num_running, stats.kv_usage) == (0, 0, 0.0)
@@ -287,10 +289,3 @@ CHECKS = [
     check_shutdown_aborts_in_flight_requests,
     check_submit_from_other_threads,
 ]
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Stats are published after the step that delivered the deltas: poll for them."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.005)

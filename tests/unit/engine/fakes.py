@@ -95,16 +95,3 @@ class FakeTokenizer:
 
 def token_text(token_id: int) -> str:
     return chr(ord("a") + token_id % 26)
-
-
-class FailingRunner(FakeRunner):
-    """Raises on its `fail_at`-th step, like a runner hitting a CUDA error."""
-
-    def __init__(self, num_blocks: int, block_size: int, fail_at: int) -> None:
-        super().__init__(num_blocks, block_size)
-        self.fail_at = fail_at
-
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        if self.num_steps + 1 >= self.fail_at:
-            raise RuntimeError("device fell over")
-        return super().execute(scheduler_output)
