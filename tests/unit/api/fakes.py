@@ -36,6 +36,7 @@ from sluice.bus.messages import (
 from sluice.bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
 from sluice.engine.sampling import Constraint
 from sluice.engine.structured import grammar_for
+from tests.waiting import wait_until
 
 
 class ByteTokenizer:
@@ -131,17 +132,11 @@ class FakeEngineWorker:
         self._thread.join(10)
 
     def wait_for_requests(self, n: int, timeout_s: float = 5.0) -> list[GenerateRequest]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.requests) < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(self.requests) >= n, f"engine saw {len(self.requests)} requests, not {n}"
+        wait_until(lambda: len(self.requests) >= n, timeout_s, f"{n} requests at the engine")
         return [r for _, r in self.requests]
 
     def wait_for_cancels(self, n: int, timeout_s: float = 5.0) -> list[Cancel]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.cancels) < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(self.cancels) >= n, f"engine saw {len(self.cancels)} cancels, not {n}"
+        wait_until(lambda: len(self.cancels) >= n, timeout_s, f"{n} cancels at the engine")
         return list(self.cancels)
 
     def _run(self) -> None:
@@ -262,10 +257,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started, 30, "uvicorn to start")
         return self
 
     def __exit__(self, *exc: object) -> None:

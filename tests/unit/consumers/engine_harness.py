@@ -25,6 +25,7 @@ from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from sluice.consumers.progress import MemoryProgressStore, ProgressStore
 from sluice.engine.backends.base import EngineBackend
 from tests.unit.consumers.engine_fakes import FakeEngineBackend, GatewayView
+from tests.waiting import wait_until
 
 GATEWAY = "gw1"
 
@@ -179,10 +180,7 @@ def wait_controls_read(bus: MemoryEventBus, timeout_s: float = 10.0) -> None:
                 (m.position(tp) or 0) >= end for m in members for tp, end in ends.items()
             )
 
-    deadline = time.monotonic() + timeout_s
-    while not read():
-        assert time.monotonic() < deadline, "the workers did not read the control topic"
-        time.sleep(0.001)
+    wait_until(read, timeout_s, "the workers to read the control topic", interval_s=0.001)
 
 
 def partition_tenants(num_partitions: int = 2) -> list[str]:

@@ -4,7 +4,6 @@ thread over a memory bus, a fake engine worker behind it."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,6 +12,7 @@ from sluice.bus.topics import TopicLayout
 from sluice.http_server import GatewayServer, build_server
 from tests.unit.api.conftest import gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, free_port, served_model
+from tests.waiting import wait_until
 
 START_TIMEOUT_S = 30.0
 
@@ -38,10 +38,7 @@ def served_gateway(
     server = build_server(create_app(settings, bus, [model]), settings)
     thread = threading.Thread(target=server.run, name="gateway-server", daemon=True)
     thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started, START_TIMEOUT_S, "the server to start")
     try:
         yield server, engine
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 
@@ -19,6 +18,7 @@ from sluice.http_server import GatewayServer
 from tests.unit.api.conftest import API_KEY
 from tests.unit.api.fakes import FakeEngineWorker
 from tests.unit.sluice.gateway_server import served_gateway
+from tests.waiting import wait_until
 
 WAIT_S = 10.0  # far above every limit here: reaching it means the server never acted
 ATTACKER = "127.0.0.1"
@@ -56,10 +56,7 @@ def _get_health_from(server: GatewayServer, peer: str) -> int:
 
 
 def _wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+    wait_until(check, WAIT_S, what)
 
 
 def test_a_stream_whose_client_stops_reading_is_cut_off_and_cancelled() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from sluice.settings import GatewaySettings
 from tests.unit.api.fakes import served_model
 from tests.unit.consumers.engine_harness import WorkerThread, create_topics
 from tests.unit.tracing.memory_spans import by_name, one, parent_of, span_id, trace_id
+from tests.waiting import wait_until
 
 API_KEY = "sk-test-key"
 TOPIC = "sluice.requests.standard.v1"
@@ -70,10 +70,7 @@ def sse_usage(text: str) -> dict[str, Any]:
 
 
 def wait_for(spans: InMemorySpanExporter, name: str, count: int = 1) -> list[ReadableSpan]:
-    deadline = time.monotonic() + 10
-    while len(by_name(spans.get_finished_spans(), name)) < count:
-        assert time.monotonic() < deadline, f"no {name} span: {spans.get_finished_spans()}"
-        time.sleep(0.01)
+    wait_until(lambda: len(by_name(spans.get_finished_spans(), name)) >= count, 10, f"{name} span")
     return list(spans.get_finished_spans())
 
 
