@@ -30,16 +30,17 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.bus.base import EventBus, TopicPartition
-from sluice.bus.topics import Lane, request_topic
+from sluice.bus.topics import request_topic
 from sluice.consumers.engine_flow import RequestFlow
 from sluice.consumers.engine_poller import LanePoller, PollResult
 from sluice.consumers.progress import ProgressStore
+from sluice.consumers.worker_config import EngineWorkerConfig
 from sluice.engine.backends.base import (
     EngineBackend,
     EngineDeadError,
@@ -48,71 +49,6 @@ from sluice.engine.backends.base import (
 from sluice.tracing.metrics import LagReporter, watch_engine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineWorkerConfig:
-    """Tuning of one engine worker; `sluice.settings.EngineWorkerSettings` builds it.
-
-    Backpressure: a partition is paused while the engine is full (waiting + pending
-    requests at `max_engine_waiting`, the prompt tokens of its requests without a first
-    token at `max_engine_waiting_tokens`, KV usage at `max_kv_usage`, or `max_in_engine`
-    requests submitted) and `full_engine_lookahead` of its requests are buffered, or
-    whenever it has `max_buffered_per_partition` buffered. Pausing per partition (not
-    per lane) keeps a tenant's backlog on one partition from blocking the others; the
-    lookahead lets the admission buffer see each tenant's next requests.
-    """
-
-    group_id: str = "engine"
-    lanes: tuple[Lane, ...] = (Lane.INTERACTIVE, Lane.STANDARD, Lane.BATCH)
-    lane_weights: Mapping[Lane, int] = field(
-        default_factory=lambda: {Lane.INTERACTIVE: 16, Lane.STANDARD: 4, Lane.BATCH: 1}
-    )
-    tenant_quantum_tokens: int = 256
-    poll_timeout_s: float = 0.05
-    max_records: int = 64
-    # At most one periodic commit per interval; it does not wait for the broker (a waiting
-    # one held up the poll thread). Drain and revocation commit the latest watermarks and
-    # wait. A later commit only widens what a failover redoes.
-    commit_interval_s: float = 0.2
-    max_buffered_per_partition: int = 32
-    # Lets the fair queue see each tenant's next requests while the engine is full (with
-    # 1, a heavy tenant took the slots through a ramp-up; benchmarks/RESULTS.md).
-    full_engine_lookahead: int = 8
-    max_engine_waiting: int = 64
-    # about two steps of the engine's default token budget (2,048): see
-    # `RequestFlow.engine_full`
-    max_engine_waiting_tokens: int = 4096
-    max_kv_usage: float = 0.9
-    max_in_engine: int = 128
-    cancel_ttl_s: float = 600.0
-    max_cancelled: int = 100_000
-    drain_timeout_s: float = 30.0
-    tick_s: float = 0.05
-    # Mid-stream deltas of one reply target go out at most this often (first tokens and
-    # terminal deltas at once): see `consumers.engine_publisher`. 0 sends every step.
-    reply_interval_s: float = 0.01
-    control_group_prefix: str = "engine-control"
-    # The broker may hold the control consumer's empty fetches this long: cancels reach
-    # the engine up to this much later than at the bus default (5 ms), and the broker
-    # answers 10x fewer fetches, each of which costs it CPU (benchmarks/RESULTS.md).
-    # None: bus default.
-    control_max_wait_ms: int | None = 50
-    # A dead engine process is started again after `engine_restart_initial_s`, doubling
-    # per death up to `engine_restart_max_s`, back to the start once an engine stayed up
-    # `engine_restart_reset_s`. A request the engine died under `max_engine_deaths`
-    # times ends with 'error' (it may be what kills it); `engine_max_failed_starts`
-    # starts in a row that fail and the worker gives up (unhealthy, it stops).
-    restart_engine: bool = True
-    engine_restart_initial_s: float = 0.5
-    engine_restart_max_s: float = 30.0
-    engine_restart_reset_s: float = 60.0
-    max_engine_deaths: int = 3
-    engine_max_failed_starts: int = 5
-    # Gateways and workers say they live every `heartbeat_s`; the requests of a gateway
-    # silent for `gateway_ttl_s` are cancelled (`consumers.gateway_liveness`); 0: never.
-    heartbeat_s: float = 1.0
-    gateway_ttl_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -203,7 +139,7 @@ class EngineWorker:
             bus, backend, config, progress, self._io, worker_id, self.stats, self._engine_died
         )
         self._drain_timeout_s = config.drain_timeout_s
-        self._flow.restarts_engine = config.restart_engine and isinstance(
+        self._flow.mode.restarts_engine = config.restart_engine and isinstance(
             backend, RestartableBackend
         )
         self._backoff = RestartBackoff(
@@ -335,7 +271,7 @@ class EngineWorker:
         flow.offsets.committed(result.committed)
         self.stats.commits += bool(result.committed)
         self._joined = bool(result.assignment) or self._joined
-        self.stats.ready = self._joined and flow.engine_up
+        self.stats.ready = self._joined and flow.mode.engine_up
         self.stats.assigned, self.stats.paused = len(result.assignment), len(result.paused)
         for record in result.controls:
             flow.on_control(record)
@@ -357,7 +293,7 @@ class EngineWorker:
                 logger.exception("worker=%s engine delta stream failed", self.worker_id)
             if self._stop.is_set():
                 return
-            if self._flow.restarts_engine and await self._restart_engine():
+            if self._flow.mode.restarts_engine and await self._restart_engine():
                 continue
             if not self._stop.is_set():
                 logger.error("worker=%s engine stopped; stopping without commit", self.worker_id)
@@ -375,7 +311,7 @@ class EngineWorker:
         """
         loop = asyncio.get_running_loop()
         flow, stats, config = self._flow, self.stats, self.config
-        flow.engine_up = stats.engine_up = stats.ready = False
+        flow.mode.engine_up = stats.engine_up = stats.ready = False
         up_s = loop.time() - self._engine_started_at
         logger.error(
             "worker=%s engine died after %.1fs up (%s); %s requests wait for its restart",
@@ -397,7 +333,7 @@ class EngineWorker:
             self._engine_started_at = loop.time()
             stats.engine_restarts += 1
             flow.requeue_orphans()
-            flow.engine_up = stats.engine_up = True
+            flow.mode.engine_up = stats.engine_up = True
             stats.ready = self._joined
             logger.info("worker=%s engine restarted", self.worker_id)
             flow.admit()
@@ -426,10 +362,10 @@ class EngineWorker:
                 async with asyncio.timeout(self.config.tick_s):  # wait_for can eat a cancel
                     await wake.wait()
             wake.clear()
-            self._flow.stopping = self._stop.is_set()
+            self._flow.mode.stopping = self._stop.is_set()
             self._flow.tick()
             # a restartable engine's death ends its delta stream: `_delta_loop` heals it
-            restarts = self._flow.restarts_engine
+            restarts = self._flow.mode.restarts_engine
             if not restarts and not self.backend.health() and not self._stop.is_set():
                 logger.error("worker=%s engine unhealthy; stopping", self.worker_id)
                 self.stats.healthy = False
@@ -445,7 +381,7 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_timeout_s
         flow = self._flow
-        flow.stopping = True
+        flow.mode.stopping = True
         while flow.num_in_engine and loop.time() < deadline and self.stats.healthy:
             await asyncio.sleep(0.02)
         flow.end_running()

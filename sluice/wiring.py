@@ -32,7 +32,7 @@ from sluice.consumers.batches.lines import BATCH_REPLY_TARGET
 from sluice.consumers.batches.runner import BatchConfig, BatchRunner
 from sluice.consumers.batches.tasks import CeleryBatches, InProcessBatches, bind_runner, make_celery
 from sluice.consumers.billing import billing_loop
-from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
+from sluice.consumers.engine_worker import EngineWorker
 from sluice.consumers.loop import ConsumeLoop
 from sluice.consumers.progress import MemoryProgressStore, ProgressStore, RedisProgressStore
 from sluice.consumers.quotas import quotas_loop
@@ -46,6 +46,7 @@ from sluice.settings import (
     Settings,
     SettingsError,
 )
+from sluice.settings_fields import config_kwargs
 from sluice.storage.batches import BatchStore
 from sluice.storage.db import Database, embedded_url
 from sluice.storage.ledger import UsageLedger
@@ -77,11 +78,7 @@ def freeze_heap() -> None:
 
 
 def topic_layout(settings: Settings) -> TopicLayout:
-    return TopicLayout(
-        request_partitions=settings.request_partitions,
-        tokens_partitions=settings.tokens_partitions,
-        usage_partitions=settings.usage_partitions,
-    )
+    return TopicLayout(**config_kwargs(settings, TopicLayout))
 
 
 def make_bus(
@@ -313,16 +310,11 @@ def build_backend(
         return build_upstream_backend(settings)
     if settings.backend == "trtllm":
         return build_trtllm_backend(settings)
-    from sluice.engine.config import EngineConfig
-
     device = resolve_device(settings)
     path = model_dir(settings)
-    config = EngineConfig(
+    config = settings.engine_config(
         device=device,
         dtype=resolve_dtype(settings, device),
-        kv_cache_mb=settings.kv_cache_mb,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=served_max_model_len(settings, path),
         # the worker maps lanes to priorities (consumers.worker_requests.LANE_PRIORITY);
         # only this policy honours them, and preempts batch work for interactive
@@ -426,11 +418,10 @@ def build_trtllm_backend(settings: Settings) -> TrtllmEngineBackend:
         ) from exc
 
 
-def progress_store(settings: Settings) -> ProgressStore:
+def progress_store(settings: EngineWorkerSettings) -> ProgressStore:
     """Redis when configured (workers in other processes can resume), else in-process."""
     if settings.redis_url:
-        ttl = getattr(settings, "progress_ttl_s", 6 * 3600)
-        return RedisProgressStore(settings.redis_url, ttl_s=ttl)
+        return RedisProgressStore(settings.redis_url, ttl_s=settings.progress_ttl_s)
     return MemoryProgressStore()
 
 
@@ -449,7 +440,7 @@ def build_worker(settings: EngineWorkerSettings, bus: EventBus, backend: Any) ->
     worker = EngineWorker(
         bus,
         backend,
-        EngineWorkerConfig(**settings.worker_config_kwargs()),
+        settings.worker_config(),
         progress_store(settings),
         worker_id(settings),
         model_name=settings.model_name,  # the engine gauges' label
