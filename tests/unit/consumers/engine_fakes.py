@@ -1,5 +1,9 @@
 """A deterministic fake `EngineBackend` and a gateway-side stream collector for worker tests.
 
+The worker's tests run on the sim backend (`sim_engine.py`); this fake stays for those
+whose resumed request must continue exactly as the uninterrupted one (failover,
+restart), which the sim's reply, a function of the prompt, does not.
+
 `FakeEngineBackend` is a real implementation of the protocol on asyncio (no thread):
 every `step_s` it admits waiting requests up to `max_running`, ends aborted and expired
 ones, and gives each running request one token. The next token is a hash of the whole

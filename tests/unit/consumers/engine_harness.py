@@ -24,7 +24,8 @@ from sluice.bus.topics import (
 from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from sluice.consumers.progress import MemoryProgressStore, ProgressStore
 from sluice.engine.backends.base import EngineBackend
-from tests.unit.consumers.engine_fakes import FakeEngineBackend, GatewayView
+from tests.unit.consumers.engine_fakes import GatewayView
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 from tests.waiting import wait_until
 
 GATEWAY = "gw1"
@@ -66,7 +67,7 @@ class WorkerThread:
         progress: ProgressStore | None = None,
         worker_id: str = "w1",
     ) -> None:
-        self.backend = backend or FakeEngineBackend()
+        self.backend = backend or RecordingSimBackend()
         self.worker = EngineWorker(
             bus,
             self.backend,

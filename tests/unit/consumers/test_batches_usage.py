@@ -1,5 +1,5 @@
 """What a batch costs, end to end in-process: the runner and collector, the real engine
-worker on the fake backend, and the billing and quotas consumers, on the memory bus and
+worker on the sim backend, and the billing and quotas consumers, on the memory bus and
 one SQLite database (issue 33).
 
 The numbers a user relies on: the usage in a batch's output and error files, the batch's
@@ -39,8 +39,8 @@ from sluice.storage.ledger import UsageLedger
 from sluice.storage.prices import PriceBook, PriceCache
 from sluice.storage.quota_memory import MemoryQuotaStore
 from sluice.storage.tables import BatchRow, UsageEntry
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import WorkerThread, create_topics
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 from tests.unit.consumers.test_batches import MODEL, chat, make_runner, wait_until
 
 TENANT_BUDGET_USD = "0.000200"  # 200 micro-dollars: about six lines of 30 tokens
@@ -74,7 +74,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     runner.budget = BatchBudget(admission)
     loops = [billing_loop(bus, UsageLedger(db)), quotas_loop(bus, admission.settler)]
     threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
-    worker = WorkerThread(bus, FakeEngineBackend(step_s=0.01, max_running=4)).start()
+    worker = WorkerThread(bus, RecordingSimBackend(step_s=0.01, max_running=4)).start()
     for thread in threads:
         thread.start()
     collector = BatchCollector(

@@ -1,11 +1,11 @@
-"""The engine worker over the memory bus and the fake engine: streams, coalescing, usage."""
+"""The engine worker over the memory bus and the sim engine: streams, coalescing, usage."""
 
 from __future__ import annotations
 
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import Lane
-from tests.unit.consumers.engine_fakes import greedy_tokens, token_text
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.sim_engine import sim_reply
 
 
 def test_requests_stream_greedy_tokens_with_one_usage_record_each() -> None:
@@ -20,9 +20,7 @@ def test_requests_stream_greedy_tokens_with_one_usage_record_each() -> None:
     client.pump()
     for r in requests:
         stream = client.view.streams[r.request_id]
-        expected = greedy_tokens(r.prompt_token_ids, 6)
-        assert stream.token_ids == expected
-        assert stream.text == "".join(token_text(t) for t in expected)
+        assert (stream.token_ids, stream.text) == sim_reply(r.prompt_token_ids, 6)
         assert stream.finish_reason == "length" and stream.num_terminal == 1
         assert stream.deltas[-1].usage is not None
         assert stream.deltas[-1].usage.completion_tokens == 6

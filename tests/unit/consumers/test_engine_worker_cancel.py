@@ -8,7 +8,6 @@ from sluice.bus.base import TopicPartition
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import Lane, request_topic
 from sluice.consumers.engine_worker import EngineWorkerConfig
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import (
     Client,
     WorkerThread,
@@ -17,6 +16,7 @@ from tests.unit.consumers.engine_harness import (
     make_request,
     wait_controls_read,
 )
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 
 FAST = EngineWorkerConfig(poll_timeout_s=0.01, tick_s=0.005, max_engine_waiting=1)
 
@@ -27,13 +27,13 @@ def start(
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
     client = Client(bus)
-    worker = WorkerThread(bus, FakeEngineBackend(step_s=step_s, max_running=max_running), FAST)
+    worker = WorkerThread(bus, RecordingSimBackend(step_s=step_s, max_running=max_running), FAST)
     return bus, client, worker.start()
 
 
 def submitted_ids(worker: WorkerThread) -> set[str]:
     backend = worker.backend
-    assert isinstance(backend, FakeEngineBackend)
+    assert isinstance(backend, RecordingSimBackend)
     return {r.request_id for r in backend.submitted}
 
 
@@ -65,7 +65,7 @@ def test_cancel_buffered_running_and_by_batch() -> None:
     # beside the running one the engine holds one waiting request, plus one interactive
     # request passing a full engine (`_admit_urgent`); the rest never ran
     backend = worker.backend
-    assert isinstance(backend, FakeEngineBackend)
+    assert isinstance(backend, RecordingSimBackend)
     assert len(submitted_ids(worker) - {"long"}) <= 2
     assert submitted_ids(worker) - {"long"} <= set(backend.aborts)
     client.cancel("long")
@@ -112,7 +112,7 @@ def test_drain_finishes_or_aborts_in_flight_work_and_leaves_the_buffer_to_the_gr
     assert client.view.streams["inflight"].finish_reason == "abort"
     assert "buffered" not in client.view.streams
     assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE), 0)] == 2
-    successor = WorkerThread(bus, FakeEngineBackend(), FAST).start()
+    successor = WorkerThread(bus, RecordingSimBackend(), FAST).start()
     client.wait_finished(["buffered"])
     successor.stop()
     assert client.view.streams["buffered"].finish_reason == "length"

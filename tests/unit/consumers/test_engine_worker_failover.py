@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sluice.bus.memory import MemoryEventBus
 from sluice.consumers.progress import MemoryProgressStore
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 from tests.unit.consumers.failover import run_failover
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 
 
 def test_a_dead_workers_stream_continues_on_another_with_every_token_once() -> None:
@@ -30,7 +30,7 @@ def test_a_zombie_attempt_is_fenced_and_aborts_without_a_terminal_delta() -> Non
     create_topics(bus, request_partitions=1)
     client = Client(bus)
     store = MemoryProgressStore()
-    backend = FakeEngineBackend(step_s=0.01)
+    backend = RecordingSimBackend(step_s=0.01)
     worker = WorkerThread(bus, backend, progress=store).start()
     client.send(make_request("z", max_tokens=500))
     client.wait(lambda: "z" in client.view.streams and len(client.view.streams["z"].token_ids) > 3)

@@ -8,7 +8,6 @@ from sluice.bus.base import TopicPartition
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import Lane, request_topic
 from sluice.consumers.engine_worker import EngineWorkerConfig
-from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens
 from tests.unit.consumers.engine_harness import (
     Client,
     WorkerThread,
@@ -17,6 +16,7 @@ from tests.unit.consumers.engine_harness import (
     make_request,
     partition_tenants,
 )
+from tests.unit.consumers.sim_engine import RecordingSimBackend, sim_reply
 
 
 def config(**overrides: object) -> EngineWorkerConfig:
@@ -31,7 +31,7 @@ def test_one_message_per_step_per_reply_target_and_commits_reach_the_end() -> No
     client = Client(bus)
     requests = [make_request(f"r{i}", prompt=[i], max_tokens=10) for i in range(8)]
     client.send(*requests)  # all waiting on the topic: one poll, one engine step each
-    worker = WorkerThread(bus, FakeEngineBackend(step_s=0.01, max_running=8), config()).start()
+    worker = WorkerThread(bus, RecordingSimBackend(step_s=0.01, max_running=8), config()).start()
     client.wait_finished([r.request_id for r in requests])
     worker.stop()
     deltas = sum(len(s.deltas) for s in client.view.streams.values())
@@ -40,7 +40,7 @@ def test_one_message_per_step_per_reply_target_and_commits_reach_the_end() -> No
     assert 8 <= deltas <= 8 * 10
     assert client.view.num_batches <= 12  # ~one per step (10 steps), not one per token
     for r in requests:
-        assert client.view.streams[r.request_id].token_ids == greedy_tokens(r.prompt_token_ids, 10)
+        assert client.view.streams[r.request_id].token_ids == sim_reply(r.prompt_token_ids, 10)[0]
     assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE), 0)] == 8
 
 
@@ -50,7 +50,7 @@ def test_full_engine_pauses_partitions_and_commits_stay_below_unfinished_work() 
     client = Client(bus)
     requests = [make_request(f"r{i:02}", prompt=[i], max_tokens=3 + i % 5) for i in range(40)]
     client.send(*requests)
-    backend = FakeEngineBackend(step_s=0.002, max_running=2)
+    backend = RecordingSimBackend(step_s=0.002, max_running=2)
     cfg = config(max_engine_waiting=2, max_buffered_per_partition=4, max_records=4)
     worker = WorkerThread(bus, backend, cfg).start()
     tp = TopicPartition(request_topic(Lane.INTERACTIVE), 0)
@@ -78,7 +78,7 @@ def test_a_full_engine_keeps_a_lookahead_of_each_partition_buffered() -> None:
     client = Client(bus)
     requests = [make_request(f"r{i:02}", prompt=[i], max_tokens=20) for i in range(30)]
     client.send(*requests)
-    backend = FakeEngineBackend(step_s=0.002, max_running=1)
+    backend = RecordingSimBackend(step_s=0.002, max_running=1)
     cfg = config(max_engine_waiting=1, full_engine_lookahead=3, max_records=1)
     worker = WorkerThread(bus, backend, cfg).start()
     max_buffered = 0
@@ -99,7 +99,7 @@ def test_the_engine_holds_prompt_tokens_up_to_the_limit_and_the_rest_waits_in_th
     client = Client(bus)
     requests = [make_request(f"r{i:02}", prompt=[1, 2, 3, i], max_tokens=5) for i in range(20)]
     client.send(*requests)
-    backend = FakeEngineBackend(step_s=0.002, max_running=1)
+    backend = RecordingSimBackend(step_s=0.002, max_running=1)
     cfg = config(max_engine_waiting=100, max_engine_waiting_tokens=10)
     worker = WorkerThread(bus, backend, cfg).start()
     max_waiting = 0
@@ -120,7 +120,7 @@ def test_interactive_overtakes_a_batch_backlog_which_still_finishes() -> None:
     client = Client(bus)
     batch = [make_request(f"b{i:02}", lane=Lane.BATCH, prompt=[i], max_tokens=4) for i in range(30)]
     client.send(*batch)
-    backend = FakeEngineBackend(step_s=0.002, max_running=1)
+    backend = RecordingSimBackend(step_s=0.002, max_running=1)
     worker = WorkerThread(bus, backend, config(max_engine_waiting=1)).start()
     client.wait(lambda: len(client.usage) >= 3)
     interactive = [make_request(f"i{i}", prompt=[100 + i], max_tokens=4) for i in range(3)]
@@ -136,7 +136,7 @@ def test_interactive_requests_already_decoding_do_not_hold_back_a_new_one() -> N
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
     client = Client(bus)
-    backend = FakeEngineBackend(step_s=0.002, max_running=4)
+    backend = RecordingSimBackend(step_s=0.002, max_running=4)
     worker = WorkerThread(bus, backend, config(max_engine_waiting=2)).start()
     long = [make_request(f"i{i}", prompt=[100 + i], max_tokens=2000) for i in range(2)]
     client.send(*long)
@@ -159,7 +159,7 @@ def test_a_tenant_with_ten_times_the_load_does_not_crowd_out_a_light_one() -> No
     reqs = [make_request(f"h{i:02}", tenant=heavy, lane=Lane.STANDARD) for i in range(60)]
     reqs += [make_request(f"l{i}", tenant=light, lane=Lane.STANDARD) for i in range(6)]
     client.send(*reqs)
-    backend = FakeEngineBackend(step_s=0.001, max_running=1)
+    backend = RecordingSimBackend(step_s=0.001, max_running=1)
     # requests cost 4 + 8 tokens: a quantum of about one request alternates tenants
     cfg = config(max_engine_waiting=1, tenant_quantum_tokens=12)
     worker = WorkerThread(bus, backend, cfg).start()

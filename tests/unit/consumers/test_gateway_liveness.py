@@ -10,7 +10,6 @@ from sluice.bus.messages import Heartbeat
 from sluice.bus.topics import HEARTBEATS_TOPIC
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.consumers.gateway_liveness import GatewayLiveness
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import (
     GATEWAY,
     Client,
@@ -18,6 +17,7 @@ from tests.unit.consumers.engine_harness import (
     create_topics,
     make_request,
 )
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 
 
 class Clock:
@@ -82,7 +82,7 @@ def test_the_requests_of_a_gateway_that_stops_beating_are_cancelled_and_billed_s
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
     client = Client(bus)
-    backend = FakeEngineBackend(step_s=0.01)
+    backend = RecordingSimBackend(step_s=0.01)
     config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.05,
                                 gateway_ttl_s=0.3)  # fmt: skip
     worker = WorkerThread(bus, backend, config).start()

@@ -15,8 +15,8 @@ from sluice.consumers.progress import (
     RedisProgressStore,
     StepProgress,
 )
-from tests.unit.consumers.engine_fakes import greedy_tokens
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.sim_engine import sim_reply
 
 
 class FlakyProgressStore(MemoryProgressStore):
@@ -62,6 +62,6 @@ def test_requests_run_once_the_progress_store_answers_again() -> None:
     client.wait_finished(["r1"])
     worker.stop()
     stream = client.view.streams["r1"]
-    assert stream.token_ids == greedy_tokens(request.prompt_token_ids, 5)
+    assert stream.token_ids == sim_reply(request.prompt_token_ids, 5)[0]
     assert stream.finish_reason == "length" and stream.num_terminal == 1
     assert store.begin_failures == 0

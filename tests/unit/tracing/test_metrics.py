@@ -34,8 +34,8 @@ from sluice.up import GATEWAY, Child, assign_metrics_ports
 from tests.integration.billing.gateway_stack import MODEL, start_stack
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, served_model
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 
 Labels = dict[str, str]
 
@@ -90,7 +90,7 @@ def test_engine_worker_counts_equal_the_requests() -> None:
     model = f"m-{uuid.uuid4().hex[:8]}"  # a label no other test touches
     bus = MemoryEventBus()
     create_topics(bus)
-    backend = FakeEngineBackend(step_s=0.002)
+    backend = RecordingSimBackend(step_s=0.002)
     worker = WorkerThread(bus, backend, EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01))
     worker.worker.model_name = model
     worker.start()
