@@ -6,20 +6,19 @@ without it. The signatures used are recorded, with the source version read, in
 `trtllm_api.txt` beside this file; the tests run this backend on a stand-in with exactly
 that surface.
 
-Each submitted request becomes an asyncio task, on the loop that reads `deltas()`, that
-iterates `LLM.generate_async(prompt_token_ids, SamplingParams, streaming=True,
+Each submitted request becomes an asyncio task (`PerRequestBackend`: admission, abort,
+deadline, usage and the engine's end are there) that iterates
+`LLM.generate_async(prompt_token_ids, SamplingParams, streaming=True,
 cache_salt=<tenant salt>, priority=<lane in [0, 1]>)`: one `RequestOutput` per engine
 step, whose `outputs[0].token_ids_diff` and new text become the request's delta and
 whose `finish_reason` its terminal one. The runtime cuts a stop string out of the text
 only once it is complete, so text that could be the start of one is held back until the
 next step shows it is not. Deltas that arrive in one pass of the loop go out as one
-batch. `abort` ends the request at once (terminal 'abort') and cancels the task, which
-calls `RequestOutput.abort()` on its way out, as it does whenever the stream stops early.
-A deadline is an asyncio timeout around the stream. An error of one request
-(`RequestError`, ValueError, TypeError) ends that request with 'error'; anything else
-raised by the runtime means the engine died: every in-flight request ends with a
-retryable 'error', `health()` turns False, `submit` raises EngineDeadError and
-`deltas()` ends. At `shutdown`, in-flight requests end with 'abort'.
+batch. A task that stops early (aborted, past its deadline) calls
+`RequestOutput.abort()` on its way out. An error of one request (`RequestError`,
+ValueError, TypeError) ends that request with 'error'; anything else raised by the
+runtime means the engine died: every in-flight request ends with a retryable 'error',
+`health()` turns False, `submit` raises EngineDeadError and `deltas()` ends.
 
 `stats()` reads the runtime's iteration statistics (`LLM.get_stats_async`, read from each
 request's first step: active and queued requests, KV blocks in use); before the first of
@@ -33,30 +32,21 @@ so a character split across it is not joined; a dead engine is not restarted her
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
-import threading
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sluice.engine.backends.base import (
-    EngineDeadError,
-    EngineDelta,
     EngineLogprob,
     EngineRequest,
     EngineStats,
     FinishReason,
     RequestRejectedError,
-    call_on_loop,
-    check_request,
-    queued_batches,
-    terminal_delta,
 )
+from sluice.engine.backends.per_request import LiveRequest, PerRequestBackend
 from sluice.engine.sampling import Constraint, generator_seed
 
 __all__ = ["TrtllmEngineBackend"]
@@ -75,20 +65,15 @@ _REQUEST_ERRORS = ("RequestError", "ValueError", "TypeError")
 
 
 @dataclass(slots=True)
-class _Live:
-    """A request in flight: its task, the runtime's stream and what went out so far."""
+class _Live(LiveRequest):
+    """A request in flight: the runtime's stream and how much of its text went out."""
 
-    request: EngineRequest
-    task: asyncio.Task[None] | None = None
     output: Any = None  # tensorrt_llm RequestOutput, once generate_async returned
-    num_output: int = 0
-    num_cached: int = 0
     num_text_sent: int = 0  # characters of the runtime's text already in deltas
     prefilled: bool = False
-    done: bool = False
 
 
-class TrtllmEngineBackend:
+class TrtllmEngineBackend(PerRequestBackend[_Live]):
     """TensorRT-LLM's `LLM` on a Hugging Face model directory; see the module docstring.
 
     max_model_len: prompt + output tokens (the runtime's max_seq_len); max_num_seqs and
@@ -98,6 +83,9 @@ class TrtllmEngineBackend:
     stats_interval_s: how long a read of the runtime's statistics waits for the next
     iteration's before it stops (until the next request starts).
     """
+
+    name = "trtllm"
+    coalesce = True
 
     def __init__(
         self,
@@ -112,6 +100,7 @@ class TrtllmEngineBackend:
         stats_interval_s: float = 2.0,
         guided_decoding_backend: str | None = None,
     ) -> None:
+        super().__init__()
         self.model_dir = Path(model_dir)
         # "llguidance" (our grammars are its Lark) or "xgrammar"; None: structured
         # outputs are refused, as the runtime would refuse them
@@ -126,25 +115,10 @@ class TrtllmEngineBackend:
         self.llm: Any = None
         self._sampling_params: Any = None  # tensorrt_llm.SamplingParams, once loaded
         self._request_kwargs: frozenset[str] = frozenset()
-        self._lock = threading.Lock()
-        self._pending: dict[str, EngineRequest] = {}  # submitted, not yet on the loop
-        self._live: dict[str, _Live] = {}
-        self._batch: dict[str, EngineDelta] = {}  # the deltas of this pass of the loop
-        self._flush_scheduled = False
-        self._stopping = False
-        self._closed = False
         self._llm_closed = False
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
-        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self._stats_wake: asyncio.Event | None = None
-        self._done = threading.Event()
         self._runtime: dict[str, Any] | None = None  # the latest iteration statistics
-        self._num_prompt_tokens = 0
-        self._num_cached_tokens = 0
-        self._num_generated_tokens = 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **kwargs: Any) -> TrtllmEngineBackend:
@@ -187,34 +161,19 @@ class TrtllmEngineBackend:
         if missing:
             logger.warning("tensorrt_llm's generate_async lacks %s: not passed", sorted(missing))
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if self._loop is not None:
-            raise RuntimeError("engine already started")
+    def _prepare(self) -> None:
         self.load()
-        self._loop = loop or asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
-        call_on_loop(self._loop, self._begin)
 
-    def _begin(self) -> None:
+    def _on_loop_start(self) -> None:
         assert self._loop is not None
-        self._loop_thread = threading.get_ident()
         self._stats_wake = asyncio.Event()
         self._stats_task = self._loop.create_task(self._poll_stats(), name="sluice-trtllm-stats")
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        with self._lock:
-            self._stopping = True
-        loop = self._loop
-        if loop is not None and not self._done.is_set():
-            if threading.get_ident() == self._loop_thread:
-                self._end("abort", "engine shut down")
-            else:
-                try:
-                    loop.call_soon_threadsafe(self._end, "abort", "engine shut down")
-                except RuntimeError:  # the loop is closed: nobody reads deltas any more
-                    self._end("abort", "engine shut down")
-                if not self._done.wait(timeout_s):
-                    logger.warning("trtllm engine did not stop within %.1fs", timeout_s)
+    def _on_end(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+
+    def _release(self) -> None:
         self._close_llm()
 
     def _close_llm(self) -> None:
@@ -226,66 +185,11 @@ class TrtllmEngineBackend:
             except Exception:
                 logger.exception("tensorrt_llm LLM.shutdown failed")
 
-    def health(self) -> bool:
-        return (
-            self._loop is not None
-            and self.llm is not None
-            and not self._closed
-            and not self._stopping
-            and self._error is None
-        )
-
-    @property
-    def error(self) -> BaseException | None:
-        """What killed the engine, if it died."""
-        return self._error
-
-    # -- requests in -----------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> None:
-        check_request(request, self.max_model_len, self.vocab_size)
-        self._check_supported(request)
-        with self._lock:
-            loop = self._loop
-            if loop is None or self._closed or self._stopping:
-                raise EngineDeadError("engine is not running") from self._error
-            self._pending.setdefault(request.request_id, request)
-        loop.call_soon_threadsafe(self._add, request)
-
-    def abort(self, request_id: str) -> None:
-        loop = self._loop
-        if loop is None or self._closed:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to abort
-            loop.call_soon_threadsafe(self._abort, request_id)
-
-    def _add(self, request: EngineRequest) -> None:
-        with self._lock:
-            if self._pending.get(request.request_id) is request:
-                del self._pending[request.request_id]
-            if self._closed:
-                return  # `_end` answered it from `_pending`
-        if request.request_id in self._live:
-            # at-least-once delivery can hand us a request twice: keep the first
-            logger.warning("request_id=%s submitted twice; ignored", request.request_id)
-            return
-        live = _Live(request)
-        self._live[request.request_id] = live
-        if request.deadline is not None and request.deadline <= time.monotonic():
-            self._finish(live, "deadline")
-            return
-        assert self._loop is not None
-        live.task = self._loop.create_task(self._serve(live), name=f"trtllm-{request.request_id}")
-
-    def _abort(self, request_id: str) -> None:
-        live = self._live.get(request_id)
-        if live is None:
-            return
-        self._finish(live, "abort")
-        if live.task is not None:
-            live.task.cancel()
+    def _new_live(self, request: EngineRequest) -> _Live:
+        return _Live(request)
 
     # -- one request -----------------------------------------------------------------
-    async def _serve(self, live: _Live) -> None:
+    async def _generate(self, live: _Live) -> None:
         request = live.request
         output = None
         try:
@@ -296,27 +200,23 @@ class TrtllmEngineBackend:
                 **self._extra_kwargs(request),
             )
             live.output = output
-            async with asyncio.timeout_at(self._loop_deadline(request)):
-                async for result in output:
-                    if self._on_step(live, result):
-                        return
+            async for result in output:
+                if self._on_step(live, result):
+                    return
             self._finish(live, "stop")  # the stream ended without a reason: treat as done
-        except TimeoutError:
-            self._finish(live, "deadline")
-        except asyncio.CancelledError:
-            raise  # aborted or shut down: the terminal delta already went out
-        except Exception as exc:
-            if type(exc).__name__ in _REQUEST_ERRORS:
-                logger.warning("request_id=%s failed in tensorrt_llm: %s", request.request_id, exc)
-                self._finish(live, "error", f"{type(exc).__name__}: {exc}")
-            else:
-                self._die(exc)
         finally:
             if output is not None and not output.finished:
                 try:
                     output.abort()
                 except Exception:  # the runtime is gone already
                     logger.debug("abort of request_id=%s failed", request.request_id)
+
+    def _failed(self, live: _Live, exc: Exception) -> None:
+        if type(exc).__name__ in _REQUEST_ERRORS:
+            logger.warning("request_id=%s failed in tensorrt_llm: %s", live.request.request_id, exc)
+            self._finish(live, "error", f"{type(exc).__name__}: {exc}")
+        else:
+            self._die(exc)
 
     def _on_step(self, live: _Live, result: Any) -> bool:
         """One RequestOutput of the stream; True once the request finished."""
@@ -337,7 +237,7 @@ class TrtllmEngineBackend:
             token_ids,
             self._new_text(live, completion.text, finished=reason is not None),
             reason,
-            completion.stop_reason if reason == "stop" else None,
+            stop_reason=completion.stop_reason if reason == "stop" else None,
             logprobs=self._logprobs(live, token_ids, completion),
         )
         return reason is not None
@@ -439,94 +339,6 @@ class TrtllmEngineBackend:
             # priority is a float in [0, 1], higher first, 0.5 by default
             kwargs["priority"] = min(1.0, max(0.0, 1.0 - 0.5 * request.priority))
         return kwargs
-
-    def _loop_deadline(self, request: EngineRequest) -> float | None:
-        if request.deadline is None:
-            return None
-        assert self._loop is not None
-        return self._loop.time() + (request.deadline - time.monotonic())
-
-    # -- deltas out ------------------------------------------------------------------
-    def _emit(
-        self,
-        live: _Live,
-        token_ids: list[int],
-        text: str,
-        reason: FinishReason | None,
-        stop_reason: str | int | None = None,
-        error: str | None = None,
-        retryable: bool = False,
-        logprobs: list[EngineLogprob] | None = None,
-    ) -> None:
-        """Add to this pass's delta of the request; the terminal one carries the usage."""
-        if live.done:
-            return
-        request_id = live.request.request_id
-        live.num_output += len(token_ids)
-        self._num_generated_tokens += len(token_ids)
-        delta = self._batch.get(request_id)
-        if delta is None:
-            delta = self._batch[request_id] = EngineDelta(request_id)
-        delta.token_ids.extend(token_ids)
-        delta.text += text
-        if logprobs is not None:
-            delta.logprobs = (delta.logprobs or []) + logprobs
-        if reason is not None:
-            live.done = True
-            self._live.pop(request_id, None)
-            delta.finish_reason, delta.stop_reason = reason, stop_reason
-            delta.error, delta.retryable = error, retryable
-            delta.num_prompt_tokens = len(live.request.prompt_token_ids)
-            delta.num_cached_tokens = live.num_cached
-            delta.num_output_tokens = live.num_output
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _finish(
-        self, live: _Live, reason: FinishReason, error: str | None = None, retryable: bool = False
-    ) -> None:
-        self._emit(live, [], "", reason, error=error, retryable=retryable)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._batch and self._queue is not None:
-            batch, self._batch = list(self._batch.values()), {}
-            self._queue.put_nowait(batch)
-
-    def deltas(self) -> AsyncIterator[list[EngineDelta]]:
-        return queued_batches(self._queue)
-
-    def _die(self, exc: BaseException) -> None:
-        if self._error is None:
-            logger.error("tensorrt_llm engine died: %s: %s", type(exc).__name__, exc)
-            self._error = exc
-        self._end("error", f"engine failed: {type(exc).__name__}: {exc}")
-
-    def _end(self, reason: FinishReason, message: str) -> None:
-        """End every in-flight and pending request, then `deltas()` (once, on the loop
-        or with the loop closed)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending, self._pending = list(self._pending.values()), {}
-        error = message if reason == "error" else None
-        died = error is not None  # the engine died under these requests: they may run again
-        for live in list(self._live.values()):
-            self._finish(live, reason, error, died)
-            if live.task is not None:
-                live.task.cancel()
-        for request in pending:
-            if request.request_id not in self._batch:
-                self._batch[request.request_id] = terminal_delta(request, reason, error, died)
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-        self._flush()
-        if self._queue is not None:
-            self._queue.put_nowait(None)
-        self._done.set()
-        logger.info("trtllm engine stopped: %s", message)
 
     # -- stats -----------------------------------------------------------------------
     async def _poll_stats(self) -> None:

@@ -4,8 +4,9 @@ Where the pipeline meets an engine someone else runs (SLUICE_BACKEND=upstream): 
 trtllm-serve, SGLang, llama.cpp's server, or another `sluice serve`. Each submitted
 request becomes one streaming `POST {url}/v1/completions` with the token-id prompt and
 `return_token_ids` (vLLM's name; `sluice serve` takes it too), served by an asyncio task
-on the loop that reads `deltas()`. Each streamed chunk becomes one `EngineDelta` with the
-chunk's text and token ids; the terminal delta carries the usage of the final chunk.
+(`PerRequestBackend`: admission, abort, deadline, usage and the engine's end are there).
+Each streamed chunk becomes one `EngineDelta` with the chunk's text and token ids; the
+terminal delta carries the usage of the final chunk.
 
 Several upstreams: a request goes to the healthy one with the fewest requests in flight.
 An upstream that fails (connection refused, a 5xx, an error event, the stream cut mid-
@@ -31,11 +32,11 @@ slots (`max_num_seqs` per upstream); backpressure comes from the worker's in-fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,16 +44,12 @@ import httpx
 
 from sluice.engine.backends.base import (
     EngineDeadError,
-    EngineDelta,
     EngineRequest,
     EngineStats,
     FinishReason,
     RequestRejectedError,
-    call_on_loop,
-    check_request,
-    queued_batches,
-    terminal_delta,
 )
+from sluice.engine.backends.per_request import LiveRequest, PerRequestBackend
 from sluice.engine.sampling import Constraint
 
 __all__ = ["Dialect", "UpstreamEngineBackend", "completion_body", "structured_body"]
@@ -85,14 +82,10 @@ class _Upstream:
 
 
 @dataclass(slots=True)
-class _Live:
+class _Live(LiveRequest):
     """One request in flight: what it has produced so far, across upstreams."""
 
-    request: EngineRequest
-    task: asyncio.Task[None] | None = None
     token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    done: bool = False
     delivered: bool = False  # a delta of its output was emitted (the client may have it)
     detokenizer: Any = None  # the 'trtllm' dialect's: text and stop strings made here
 
@@ -234,7 +227,7 @@ def _choice_regex(choices: list[str]) -> str:
     return "(" + "|".join(escaped) + ")"
 
 
-class UpstreamEngineBackend:
+class UpstreamEngineBackend(PerRequestBackend[_Live]):
     """OpenAI-compatible servers as one engine; see the module docstring for the contract.
 
     urls: the upstreams' base URLs (without `/v1`). model: the name to send (None: the
@@ -246,6 +239,9 @@ class UpstreamEngineBackend:
     vLLM, SGLang, trtllm-serve and llama.cpp; `/readyz` on `sluice serve` (its `/health`
     answers while the model still loads).
     """
+
+    name = "upstream"
+    coalesce = False  # each chunk goes out as it comes, so an abort lands before the next
 
     def __init__(
         self,
@@ -268,6 +264,7 @@ class UpstreamEngineBackend:
     ) -> None:
         if not urls:
             raise ValueError("the upstream backend needs at least one upstream URL")
+        super().__init__()
         self.upstreams = [_Upstream(url.rstrip("/")) for url in urls]
         self.model = model
         self.max_model_len = max_model_len
@@ -287,44 +284,28 @@ class UpstreamEngineBackend:
             raise ValueError("the 'trtllm' dialect decodes text here: it needs the tokenizer")
         self.dialect: Dialect = dialect
         self.health_path = health_path
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
-        self._queue: asyncio.Queue[list[EngineDelta] | None] | None = None
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._live: dict[str, _Live] = {}
-        self._closed = True  # not started, dead, or shut down
-        self._stopping = False
-        self._error: BaseException | None = None
-        self._done = threading.Event()
         self._num_steps = 0
-        self._num_generated = 0
-        self._num_prompt = 0
-        self._num_cached = 0
         self.num_resumes = 0  # requests moved to another upstream after one failed
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if self._loop is not None:
-            raise RuntimeError("engine already started")
-        self._open(loop or asyncio.get_running_loop())
-
-    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop, self._queue = loop, asyncio.Queue()
-        self._done.clear()
-        with self._lock:
-            self._closed, self._error = False, None
-        call_on_loop(loop, self._begin)
-
-    def _begin(self) -> None:
+    def _on_loop_start(self) -> None:
         assert self._loop is not None
-        self._loop_thread = threading.get_ident()
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(
             headers=self._headers, timeout=self._timeout, limits=limits, transport=self._transport
         )
         self._health_task = self._loop.create_task(self._probe_forever(), name="upstream-health")
+
+    def _on_end(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._client is not None:
+            client, self._client = self._client, None
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to close on
+                self._loop.create_task(client.aclose())
 
     def restart(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """After the backend died: wait (blocking) until an upstream answers its health path,
@@ -342,42 +323,17 @@ class UpstreamEngineBackend:
             time.sleep(min(0.5, self.health_interval_s))
         self._open(loop or asyncio.get_running_loop())
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        with self._lock:
-            self._stopping = True
-            if self._closed:
-                return
-        loop = self._loop
-        assert loop is not None
-        if threading.get_ident() == self._loop_thread:
-            self._end("abort", None)
-            return
-        try:
-            loop.call_soon_threadsafe(self._end, "abort", None)
-        except RuntimeError:  # the loop is closed: nobody reads deltas any more
-            return
-        if not self._done.wait(timeout_s):
-            logger.warning("upstream backend did not stop within %.1fs", timeout_s)
-
     def kill(self, error: BaseException) -> None:
         """Lose every upstream at once, as if all failed now (tests; from any thread)."""
-        assert self._loop is not None
-        if threading.get_ident() == self._loop_thread:
-            self._die(error)
-        else:
-            self._loop.call_soon_threadsafe(self._die, error)
+        self._on_loop(self._die, error)
 
-    def health(self) -> bool:
-        return not self._closed and not self._stopping and any(u.healthy for u in self.upstreams)
+    def _can_serve(self) -> bool:
+        return any(u.healthy for u in self.upstreams)
 
-    @property
-    def error(self) -> BaseException | None:
-        """What killed the backend, if it died."""
-        return self._error
+    def _new_live(self, request: EngineRequest) -> _Live:
+        return _Live(request)
 
-    # -- requests in -----------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> None:
-        check_request(request, self.max_model_len, self.vocab_size)
+    def _check_supported(self, request: EngineRequest) -> None:
         if request.sampling_params.prompt_logprobs is not None:
             # the stream's logprobs are strings, not ids: refused rather than dropped
             raise RequestRejectedError("the upstream backend has no prompt_logprobs")
@@ -389,153 +345,46 @@ class UpstreamEngineBackend:
                     "a constrained output cannot resume on an upstream: the peer would"
                     " start its grammar afresh mid-output"
                 )
-        self._call(self._add, request, dead_error=True)
-
-    def abort(self, request_id: str) -> None:
-        self._call(self._abort, request_id, dead_error=False)
-
-    def _call(self, method: Any, arg: Any, *, dead_error: bool) -> None:
-        """Run `method(arg)` on the loop, in call order, from any thread."""
-        with self._lock:
-            if self._closed or self._stopping:
-                if dead_error:
-                    raise EngineDeadError("engine is not running") from self._error
-                return
-        assert self._loop is not None
-        if threading.get_ident() == self._loop_thread:
-            method(arg)
-        else:
-            self._loop.call_soon_threadsafe(method, arg)
-
-    def _add(self, request: EngineRequest) -> None:
-        if self._closed:  # died between submit and here: end it as the others ended
-            self._publish([terminal_delta(request, "error", "engine died", True)])
-            return
-        if request.request_id in self._live:
-            # at-least-once delivery can hand us a request twice: keep the first
-            logger.warning("request_id=%s submitted twice; ignored", request.request_id)
-            return
-        live = _Live(request)
-        self._live[request.request_id] = live
-        if request.deadline is not None and request.deadline <= time.monotonic():
-            self._finish(live, "deadline")
-            return
-        assert self._loop is not None
-        live.task = self._loop.create_task(self._run(live), name=f"upstream-{request.request_id}")
-
-    def _abort(self, request_id: str) -> None:
-        live = self._live.get(request_id)
-        if live is not None:
-            self._finish(live, "abort")
-
-    # -- deltas out ------------------------------------------------------------------
-    def deltas(self) -> AsyncIterator[list[EngineDelta]]:
-        return queued_batches(self._queue)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self._live),
             num_kv_blocks=self.max_num_seqs * len(self.upstreams),
             num_steps=self._num_steps,
-            num_generated_tokens=self._num_generated,
-            num_prompt_tokens=self._num_prompt,
-            num_cached_tokens=self._num_cached,
+            num_generated_tokens=self._num_generated_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_cached_tokens=self._num_cached_tokens,
         )
 
-    def _publish(self, batch: list[EngineDelta] | None) -> None:
-        assert self._queue is not None
-        self._queue.put_nowait(batch)
-
-    def _finish(
-        self,
-        live: _Live,
-        reason: FinishReason,
-        error: str | None = None,
-        retryable: bool = False,
-        stop_reason: str | int | None = None,
-    ) -> None:
-        """The terminal delta of `live` (once), and its stream closed."""
-        if live.done:
-            return
-        live.done = True
-        self._live.pop(live.request.request_id, None)
-        delta = terminal_delta(live.request, reason, error, retryable)
-        delta.stop_reason = stop_reason
-        delta.num_output_tokens = len(live.token_ids)
-        delta.num_cached_tokens = live.num_cached_tokens
-        self._publish([delta])
-        if live.task is not None and live.task is not asyncio.current_task():
-            live.task.cancel()  # closes its stream
-
-    def _end(self, reason: FinishReason, error: str | None) -> None:
-        """End every request in flight with `reason`, then `deltas()` (once)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        for live in list(self._live.values()):
-            self._finish(live, reason, error, retryable=error is not None)
-        if self._health_task is not None:
-            self._health_task.cancel()
-        if self._client is not None:
-            client, self._client = self._client, None
-            assert self._loop is not None
-            self._loop.create_task(client.aclose())
-        self._publish(None)
-        self._done.set()
-        logger.info("upstream backend stopped: %s", error or "shut down")
-
-    def _die(self, error: BaseException) -> None:
-        if self._closed:
-            return
-        logger.error("upstream backend died: %s", error)
-        self._error = error
-        self._end("error", f"engine failed: {type(error).__name__}: {error}")
-
     # -- one request -----------------------------------------------------------------
-    async def _run(self, live: _Live) -> None:
+    async def _generate(self, live: _Live) -> None:
         """Stream `live` from the least-loaded healthy upstream, moving on when one fails."""
         request = live.request
-        deadline = request.deadline
-        loop = asyncio.get_running_loop()
-        when = None if deadline is None else loop.time() + (deadline - time.monotonic())
         failure: Exception | None = None
         constrained = request.sampling_params.constraint is not None
-        try:
-            async with asyncio.timeout_at(when):
-                for _ in range(self.max_resumes + 1):
-                    upstream = self._pick()
-                    if upstream is None:
-                        break
-                    upstream.num_in_flight += 1  # before any await: the next pick sees it
-                    try:
-                        await self._attempt(live, upstream)
-                        return
-                    except _UpstreamFailed as exc:
-                        failure = exc
-                        upstream.healthy = False
-                        logger.warning(
-                            "request_id=%s upstream %s failed after %s tokens: %s",
-                            request.request_id,
-                            upstream.url,
-                            len(live.token_ids),
-                            exc,
-                        )
-                        if constrained and live.delivered:
-                            break  # its grammar state stays on the failed peer
-                        self.num_resumes += 1
-                    finally:
-                        upstream.num_in_flight -= 1
-        except TimeoutError:
-            self._finish(live, "deadline")
-            return
-        except _Rejected as exc:
-            self._finish(live, "error", str(exc))
-            return
-        except Exception as exc:  # a bug or a malformed chunk: still one terminal delta
-            logger.exception("request_id=%s failed in the upstream backend", request.request_id)
-            self._finish(live, "error", f"{type(exc).__name__}: {exc}")
-            return
+        for _ in range(self.max_resumes + 1):
+            upstream = self._pick()
+            if upstream is None:
+                break
+            upstream.num_in_flight += 1  # before any await: the next pick sees it
+            try:
+                await self._attempt(live, upstream)
+                return
+            except _UpstreamFailed as exc:
+                failure = exc
+                upstream.healthy = False
+                logger.warning(
+                    "request_id=%s upstream %s failed after %s tokens: %s",
+                    request.request_id,
+                    upstream.url,
+                    len(live.token_ids),
+                    exc,
+                )
+                if constrained and live.delivered:
+                    break  # its grammar state stays on the failed peer
+                self.num_resumes += 1
+            finally:
+                upstream.num_in_flight -= 1
         if constrained and live.delivered:
             self._finish(
                 live,
@@ -547,6 +396,14 @@ class UpstreamEngineBackend:
             self._die(failure or RuntimeError("no healthy upstream"))
         else:
             self._finish(live, "error", f"failed on {self.max_resumes + 1} upstreams: {failure}")
+
+    def _failed(self, live: _Live, exc: Exception) -> None:
+        if isinstance(exc, _Rejected):
+            self._finish(live, "error", str(exc))
+            return
+        # a bug or a malformed chunk: still one terminal delta
+        logger.exception("request_id=%s failed in the upstream backend", live.request.request_id)
+        self._finish(live, "error", f"{type(exc).__name__}: {exc}")
 
     def _pick(self) -> _Upstream | None:
         healthy = [u for u in self.upstreams if u.healthy]
@@ -573,7 +430,7 @@ class UpstreamEngineBackend:
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise _Rejected(f"upstream refused: HTTP {resp.status_code}: {resp.text}")
-                self._num_prompt += len(prompt)
+                self._num_prompt_tokens += len(prompt)
                 await self._read(live, resp)
         except httpx.HTTPError as exc:
             raise _UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
@@ -597,8 +454,8 @@ class UpstreamEngineBackend:
             usage = chunk.get("usage")
             if usage:
                 details = usage.get("prompt_tokens_details") or {}
-                live.num_cached_tokens = details.get("cached_tokens") or 0
-                self._num_cached += live.num_cached_tokens
+                live.num_cached = details.get("cached_tokens") or 0
+                self._num_cached_tokens += live.num_cached
             for choice in chunk.get("choices") or ():
                 token_ids = choice.get("token_ids") or []
                 text = choice.get("text") or ""
@@ -606,12 +463,12 @@ class UpstreamEngineBackend:
                 if detokenizer is not None:
                     text = detokenizer.add_tokens(token_ids)
                     if detokenizer.finished:  # a stop string: end it here, as vLLM would
-                        self._emit(live, token_ids, text)
+                        self._deliver(live, token_ids, text)
                         self._finish(live, "stop", stop_reason=detokenizer.stop_reason)
                         return
                 if token_ids or text:
                     self._num_steps += 1
-                    self._emit(live, token_ids, text)
+                    self._deliver(live, token_ids, text)
                     # let the reader of deltas() act on it (an abort) before buffered
                     # chunks of this stream are read on
                     await asyncio.sleep(0)
@@ -622,14 +479,13 @@ class UpstreamEngineBackend:
         if finish is None:
             raise _UpstreamFailed("the stream ended before the request finished")
         if live.detokenizer is not None and (tail := live.detokenizer.flush()):
-            self._emit(live, [], tail)
+            self._deliver(live, [], tail)
         self._finish(live, finish, stop_reason=stop_reason)
 
-    def _emit(self, live: _Live, token_ids: list[int], text: str) -> None:
+    def _deliver(self, live: _Live, token_ids: list[int], text: str) -> None:
         live.delivered = True
         live.token_ids.extend(token_ids)
-        self._num_generated += len(token_ids)
-        self._publish([EngineDelta(live.request.request_id, token_ids, text)])
+        self._emit(live, token_ids, text)
 
     def _detokenizer(self, request: EngineRequest) -> Any:
         """Text for `request`'s new tokens, stop strings held back: a resume replays the
