@@ -233,7 +233,7 @@ class StepPublisher:
     async def _confirm_usage(self, usage: list[UsageRecord]) -> None:
         """A step's usage records go out once its progress is recorded: a worker killed
         in between leaves the finish recorded and no record, which the resumer estimates
-        (`engine_flow._bill_superseded`); the other order left the record and no finish,
+        (`FlowOutput.bill_superseded`); the other order left the record and no finish,
         and the resumer ran the finished request again, billing it twice."""
         sends = [self._send(USAGE_TOPIC, encode(r), r.tenant_id) for r in usage]
         if sends:
