@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 
 class FlowConfig(Protocol):
-    """What of `consumers.engine_worker.EngineWorkerConfig` the flow reads (a protocol,
+    """What of `consumers.worker_config.EngineWorkerConfig` the flow reads (a protocol,
     so that the worker imports the flow and not the other way round)."""
 
     @property
