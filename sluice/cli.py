@@ -7,6 +7,7 @@ read the output.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import typer
 
 from sluice import __version__, cli_batch, cli_billing, cli_bulk, cli_serving
 from sluice.cli_common import CONTEXT_SETTINGS, DataDir, emit_json, settings_or_exit
-from sluice.settings import Settings, SettingsError
+from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings, SettingsError
 
 app = typer.Typer(
     name="sluice",
@@ -69,6 +70,26 @@ def doctor(as_json: JsonFlag = False, data_dir: DataDir = None) -> None:
             typer.echo(f"{mark} {c.name:<9} {c.detail}{fix}")
     if not all(c.ok for c in checks):
         raise typer.Exit(1)
+
+
+@app.command("config")
+def show_config(
+    as_json: JsonFlag = False,
+    changed: Annotated[
+        bool, typer.Option("--changed", help="Only the settings whose value is not the default.")
+    ] = False,
+) -> None:
+    """Every SLUICE_* setting: its default, its value here and what it does (docs/settings.md)."""
+    from sluice.settings_doc import current_values, entries, render_settings_table
+
+    current = current_values(
+        settings_or_exit(GatewaySettings), settings_or_exit(EngineWorkerSettings)
+    )
+    if as_json:
+        emit_json({"settings": [e for e in entries(current) if e["changed"] or not changed]})
+        return
+    width = shutil.get_terminal_size((120, 24)).columns
+    typer.echo(render_settings_table(current, width, changed_only=changed), nl=False)
 
 
 @app.command(

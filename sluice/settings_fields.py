@@ -19,6 +19,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "SLUICE_"
 # the key in a field's json_schema_extra naming the dataclass field it fills
 _TARGET = "config_field"
+# a field's json_schema_extra for a credential: `sluice config` shows whether it is set,
+# never its value
+SECRET: dict[str, Any] = {"secret": True}
 
 
 class SettingsBase(BaseSettings):
@@ -52,6 +55,12 @@ def config_target(settings_cls: type[BaseModel], setting: str) -> str | None:
     extra = settings_cls.model_fields[setting].json_schema_extra
     target = extra.get(_TARGET) if isinstance(extra, dict) else None
     return target if isinstance(target, str) else None
+
+
+def is_secret(settings_cls: type[BaseModel], setting: str) -> bool:
+    """Whether the setting holds a credential (declared with `json_schema_extra=SECRET`)."""
+    extra = settings_cls.model_fields[setting].json_schema_extra
+    return isinstance(extra, dict) and extra.get("secret") is True
 
 
 def config_kwargs(settings: BaseModel, cls: type) -> dict[str, Any]:

