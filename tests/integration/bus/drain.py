@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice.bus.base import Consumer, Record, TopicPartition
@@ -53,12 +51,3 @@ class Member:
             self.consumer.close()
         if self.error is not None:
             raise self.error
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

@@ -13,7 +13,8 @@ from sluice.bus.base import EventBus, Record, TopicPartition, TopicSpec
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import TopicLayout
 from sluice.tracing.propagation import extract_context, inject_headers
-from tests.integration.bus.drain import Member, wait_until
+from tests.integration.bus.drain import Member
+from tests.waiting import wait_until
 
 SETTLE_S = 60.0  # Kafka group joins take seconds (docs/architecture.md §2); memory is instant
 
@@ -139,9 +140,11 @@ def test_a_commit_that_does_not_wait_is_where_the_next_member_starts(
     consumer.close()
     member = Member(bus.consumer(group, [topic])).start()
     wait_until(lambda: len(member.records) >= 2, SETTLE_S, "the 2 uncommitted records")
-    time.sleep(0.5)
+    # a fence in the same partition: whatever else came would come before it
+    bus.publish(topic, b"fence", partition=0).result(30)
+    wait_until(lambda: b"fence" in [r.value for r in member.records], SETTLE_S, "the fence")
     member.halt()
-    assert [r.value for r in member.records] == [b"m4", b"m5"]
+    assert [r.value for r in member.records] == [b"m4", b"m5", b"fence"]
 
 
 def test_paused_partitions_deliver_nothing_until_resumed(
@@ -299,9 +302,11 @@ def test_rebalance_callbacks_run_on_the_polling_thread_and_revoke_can_commit(
     bus.publish(topic, b"late", partition=0).result(30)
     late = Member(bus.consumer(group, [topic])).start()
     wait_until(lambda: len(late.records) >= 1, SETTLE_S, "the late record")
-    time.sleep(0.5)
+    # a fence in the same partition: whatever else came would come before it
+    bus.publish(topic, b"fence", partition=0).result(30)
+    wait_until(lambda: b"fence" in [r.value for r in late.records], SETTLE_S, "the fence")
     late.halt()
-    assert [r.value for r in late.records] == [b"late"]
+    assert [r.value for r in late.records] == [b"late", b"fence"]
 
 
 def test_a_latest_consumer_sees_what_is_published_once_it_is_assigned(

@@ -4,7 +4,7 @@ also while a partition is paused (the engine worker pauses exactly as its backlo
 from __future__ import annotations
 
 from sluice.bus.base import EventBus, Record, TopicPartition, TopicSpec
-from tests.integration.bus.drain import wait_until
+from tests.waiting import wait_until
 
 
 def test_lag_is_what_the_member_has_not_consumed_paused_or_not(

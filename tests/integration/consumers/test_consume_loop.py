@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -14,7 +13,8 @@ from sluice.bus.codec import decode_as, encode
 from sluice.bus.messages import Message, Timings, UsageRecord
 from sluice.bus.topics import Lane, dead_letter_topic
 from sluice.consumers.loop import ConsumeLoop, LoopConfig, run_until_signalled
-from tests.integration.bus.drain import Member, wait_until
+from tests.integration.bus.drain import Member
+from tests.waiting import wait_until
 
 SETTLE_S = 60.0
 
@@ -106,9 +106,12 @@ def test_poison_and_failing_messages_are_dead_lettered_and_the_rest_committed(
     # Everything was committed: the group has nothing left to deliver.
     again = Member(bus.consumer(group, [topic])).start()
     wait_until(lambda: len(again.assigned) == 2, SETTLE_S, "rejoin")
-    time.sleep(1.0)
+    # a fence in each partition: anything left to deliver would come before it
+    for partition in range(2):
+        bus.publish(topic, b"fence", partition=partition).result(30)
+    wait_until(lambda: len(again.records) >= 2, SETTLE_S, "both fences")
     again.halt()
-    assert again.records == []
+    assert [r.value for r in again.records] == [b"fence", b"fence"]
 
 
 @pytest.mark.slow
@@ -134,7 +137,10 @@ def test_sigterm_drains_commits_and_returns(bus: EventBus, topic: str, group: st
     rest = Member(bus.consumer(group, [topic])).start()
     expected = 20 - len(handled)
     wait_until(lambda: len(rest.records) >= expected, SETTLE_S, f"{expected} remaining")
-    time.sleep(0.5)
+    # a fence in the partition: anything else left to deliver would come before it
+    bus.publish(topic, b"fence", partition=0).result(30)
+    wait_until(lambda: b"fence" in [r.value for r in rest.records], SETTLE_S, "the fence")
     rest.halt()
-    remaining = [decode_as(UsageRecord, r.value).request_id for r in rest.records]
+    assert rest.records[-1].value == b"fence"
+    remaining = [decode_as(UsageRecord, r.value).request_id for r in rest.records[:-1]]
     assert handled + remaining == [f"r{n}" for n in range(20)]
