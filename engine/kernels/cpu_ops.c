@@ -1,5 +1,6 @@
 /* CPU kernels for small-batch decode on AVX2 + FMA, loaded with ctypes by
-   engine/kernels/__init__.py (which documents each entry point's contract).
+   engine/kernels/bindings.py (which documents each entry point's contract and checks
+   every tensor's dtype, shape and layout before a call).
 
    sluice_bf16_linear: y = x @ W^T (+ bias) (or y +=) for bf16 W [N, K], fp32 x [M, K], M <= 4.
    sluice_int8_linear: the same for int8 W with a scale per row (its own section below).
@@ -8,7 +9,7 @@
    each bf16 weight is widened to fp32 exactly (bf16 is the top half of an fp32) and
    accumulated in fp32, so W is streamed once per call for all M rows. Output rows are
    shared out in chunks by `parallel_for` (below). Built and loaded by
-   engine/kernels/__init__.py.
+   engine/kernels/build.py.
 
    M == 1 with K % 16 == 0 (every real model) takes the fast path: 16 weights per 256-bit
    load, widened by interleaving with zeros (one unpack per 8 weights instead of a widen
@@ -33,6 +34,42 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+/* What the entry points that can fail return; engine/kernels/checks.py (ERRORS) maps each
+   to its message. The ids read from the caller's tensors (block ids, slots, request rows,
+   positions) are checked against the sizes passed in before anything is written, once a
+   row or a block rather than once a key, so a bad id raises instead of corrupting memory. */
+enum {
+    SLUICE_OK = 0,
+    SLUICE_E_ARGS = -1,    /* a row count, mode or shape the kernel does not take */
+    SLUICE_E_NOMEM = -2,   /* a scratch allocation failed */
+    SLUICE_E_KEYS = -3,    /* a row's key count below 1 or past its block table row */
+    SLUICE_E_BLOCK = -4,   /* a block id (of a block holding a row's keys) outside the cache */
+    SLUICE_E_SLOT = -5,    /* a slot to write outside the cache */
+    SLUICE_E_REQUEST = -6, /* a row's request outside the block table's rows */
+    SLUICE_E_POS = -7,     /* a position outside the RoPE table */
+};
+
+/* unsigned compares: a negative id is out of range too */
+static inline int in_range(int64_t v, int64_t n) { return (uint64_t)v < (uint64_t)n; }
+
+static inline int64_t key_start(int64_t end, int64_t window) {
+    return window > 0 && end > window ? end - window : 0;
+}
+
+/* The ids of the blocks holding keys [start, end) (end >= 1) of one block table row, once a
+   block: the attention loops then index the cache with them unchecked. */
+static int blocks_ok(const int64_t *row, int64_t start, int64_t end, int64_t bs, int64_t blocks) {
+    for (int64_t b = start / bs; b <= (end - 1) / bs; b++)
+        if (!in_range(row[b], blocks)) return 0;
+    return 1;
+}
+
+static int positions_ok(const int64_t *pos, int64_t M, int64_t positions) {
+    for (int64_t m = 0; m < M; m++)
+        if (!in_range(pos[m], positions)) return 0;
+    return 1;
+}
 
 /* ---- parallel_for: work sharing that never waits for a thread that has not started ----
 
@@ -342,24 +379,24 @@ static void linear_chunk(void *ctx, int64_t c) {
    values as mode 1 on a CPU without AVX512-BF16). */
 int sluice_bf16_linear(const uint16_t *W, const float *x, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int threads, int acc, int mode) {
-    if (M < 1 || M > 4 || threads < 1 || mode < 0 || mode > 2) return -1;
+    if (M < 1 || M > 4 || threads < 1 || mode < 0 || mode > 2) return SLUICE_E_ARGS;
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     float *xp = NULL, *xr = NULL;
     uint16_t *xb = NULL;
     if (mode == 1) {
         xb = calloc(M * Kp, sizeof(uint16_t));
-        if (!xb) return -2;
+        if (!xb) return SLUICE_E_NOMEM;
         for (int64_t m = 0; m < M; m++)
             for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = round_bf16(x[m * K + k]);
     } else if (mode == 2) {
         xr = malloc(M * K * sizeof(float));
-        if (!xr) return -2;
+        if (!xr) return SLUICE_E_NOMEM;
         for (int64_t i = 0; i < M * K; i++) xr[i] = widen1(round_bf16(x[i]));
         x = xr;
     }
     if (mode != 1 && M == 1 && K % 16 == 0) {
         xp = malloc(K * sizeof(float));
-        if (!xp) { free(xr); return -2; }
+        if (!xp) { free(xr); return SLUICE_E_NOMEM; }
         for (int64_t k = 0; k < K; k += 16)
             for (int i = 0; i < 4; i++) {
                 xp[k + i] = x[k + i];
@@ -493,10 +530,10 @@ static float quantize_i16(const float *x, int64_t K, int16_t *q) {
 
 int sluice_int8_linear(const int8_t *W, const float *scale, const float *x, const float *bias,
                        float *y, int64_t M, int64_t N, int64_t K, int threads, int acc) {
-    if (M < 1 || M > 4 || threads < 1) return -1;
+    if (M < 1 || M > 4 || threads < 1) return SLUICE_E_ARGS;
     const int64_t Kp = (K + 15) & ~(int64_t)15;
     int16_t *xq = calloc(M * Kp, sizeof(int16_t));
-    if (!xq) return -2;
+    if (!xq) return SLUICE_E_NOMEM;
     float xs[4];
     for (int64_t m = 0; m < M; m++) xs[m] = quantize_i16(x + m * K, K, xq + m * Kp);
     int8_job job = {W, xq, xs, scale, bias, y, M, N, K, Kp, acc, 16};
@@ -529,8 +566,8 @@ void sluice_rms_norm(const float *h, const float *w, float eps, float *out, int6
 
 /* In place on rows of `x` (row stride `stride` floats): the first `heads` heads of
    2*half floats, as (re, im) pairs times the complex table[pos[m]][i] (re, im). */
-void sluice_rope(float *x, int64_t stride, int64_t M, const float *table, const int64_t *pos,
-                 int64_t heads, int64_t half) {
+static void rope_rows(float *x, int64_t stride, int64_t M, const float *table,
+                      const int64_t *pos, int64_t heads, int64_t half) {
     for (int64_t m = 0; m < M; m++) {
         const float *t = table + pos[m] * half * 2;
         for (int64_t h = 0; h < heads; h++) {
@@ -542,6 +579,14 @@ void sluice_rope(float *x, int64_t stride, int64_t M, const float *table, const 
             }
         }
     }
+}
+
+/* rope_rows, each pos[m] checked against the table's `positions` first */
+int sluice_rope(float *x, int64_t stride, int64_t M, const float *table, const int64_t *pos,
+                int64_t positions, int64_t heads, int64_t half) {
+    if (!positions_ok(pos, M, positions)) return SLUICE_E_POS;
+    rope_rows(x, stride, M, table, pos, heads, half);
+    return SLUICE_OK;
 }
 
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]. */
@@ -682,11 +727,11 @@ static void attn_group_chunk(void *ctx, int64_t task) {
    which is first written into slot slots[p] (rounded to nearest even for a bf16 cache).
    Query head hq (KV head hq / (Hq / Hkv)) then attends to keys [start, num_keys[p])
    found through table[p] (nblk blocks), start = num_keys - window when window > 0.
-   Two-pass softmax in fp32. out: [P, Hq, D]. */
-int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t *slots,
-                       const int64_t *table, int64_t nblk, const int64_t *num_keys,
-                       int64_t window, int64_t P, int64_t Hq, int64_t Hkv, int64_t D,
-                       int64_t bs, float scale, float *out, int threads, int cache_bf16) {
+   Two-pass softmax in fp32. out: [P, Hq, D]. Runs after `decode_rows_ok`. */
+static int attn_decode_run(const float *qkv, int64_t qs, void *cache, const int64_t *slots,
+                           const int64_t *table, int64_t nblk, const int64_t *num_keys,
+                           int64_t window, int64_t P, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t bs, float scale, float *out, int threads, int cache_bf16) {
     const int64_t row = 2 * Hkv * D;
     for (int64_t p = 0; p < P; p++) {
         const float *src = qkv + p * qs + Hq * D;
@@ -698,16 +743,46 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, const int64_t 
             for (int64_t i = 0; i < row; i++) dst[i] = src[i];
         }
     }
-    int64_t maxk = 0;
-    for (int64_t p = 0; p < P; p++) maxk = num_keys[p] > maxk ? num_keys[p] : maxk;
-    if (maxk > nblk * bs) return -1;
     attn_job job = {qkv, qs, cache, table, nblk, num_keys, window, Hq, Hkv, D, bs, scale,
                     out, cache_bf16, 0};
     if (Hq / Hkv <= ATTN_MAX_G && P * Hkv >= threads)  /* else a head per task: more of them */
         parallel_for(attn_group_chunk, &job, P * Hkv, threads);
     else
         parallel_for(attn_chunk, &job, P * Hq, threads);
-    return atomic_load(&job.bad) ? -2 : 0;
+    return atomic_load(&job.bad) ? SLUICE_E_NOMEM : SLUICE_OK;
+}
+
+/* What a decode step of P rows reads and writes in a cache of `blocks` blocks of bs slots,
+   checked a row at a time before anything is written: its key count, the slot of its new
+   K|V, and the blocks holding its keys. */
+static int decode_rows_ok(const int64_t *slots, const int64_t *table, int64_t nblk,
+                          const int64_t *num_keys, int64_t window, int64_t P, int64_t bs,
+                          int64_t blocks) {
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t end = num_keys[p];
+        if (end < 1 || end > nblk * bs) return SLUICE_E_KEYS;
+        if (!in_range(slots[p], blocks * bs)) return SLUICE_E_SLOT;
+        if (!blocks_ok(table + p * nblk, key_start(end, window), end, bs, blocks))
+            return SLUICE_E_BLOCK;
+    }
+    return SLUICE_OK;
+}
+
+static int attn_shape_ok(int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t blocks) {
+    return Hkv >= 1 && Hq >= Hkv && Hq % Hkv == 0 && D >= 1 && bs >= 1 && blocks >= 1;
+}
+
+/* attn_decode_run over a cache of `blocks` blocks, every id checked first */
+int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, int64_t blocks,
+                       const int64_t *slots, const int64_t *table, int64_t nblk,
+                       const int64_t *num_keys, int64_t window, int64_t P, int64_t Hq,
+                       int64_t Hkv, int64_t D, int64_t bs, float scale, float *out, int threads,
+                       int cache_bf16) {
+    if (!attn_shape_ok(Hq, Hkv, D, bs, blocks) || threads < 1) return SLUICE_E_ARGS;
+    const int rc = decode_rows_ok(slots, table, nblk, num_keys, window, P, bs, blocks);
+    if (rc) return rc;
+    return attn_decode_run(qkv, qs, cache, slots, table, nblk, num_keys, window, P, Hq, Hkv,
+                           D, bs, scale, out, threads, cache_bf16);
 }
 
 /* ---- sluice_attn_paged: attention of many query rows over a bf16 paged cache ----
@@ -1003,19 +1078,25 @@ DP_TARGET static int paged_any(const paged_job *a, int64_t task) {
    when q_bf16, else fp32). Needs AVX512-BF16 (the caller checks), D a multiple of 32 up
    to 256, Hq / Hkv <= 16. */
 int sluice_attn_paged(const void *q, int64_t qs, int q_bf16, void *out, const uint16_t *cache,
-                      const int64_t *table, int64_t R, int64_t nblk, const int64_t *req,
-                      const int64_t *num_keys, int64_t window, int64_t P, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
-    if (D % 32 || D > PAGED_MAX_D || Hq % Hkv || Hq / Hkv > PAGED_MAX_G) return -1;
+                      int64_t blocks, const int64_t *table, int64_t R, int64_t nblk,
+                      const int64_t *req, const int64_t *num_keys, int64_t window, int64_t P,
+                      int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                      int threads) {
+    if (!attn_shape_ok(Hq, Hkv, D, bs, blocks) || D % 32 || D > PAGED_MAX_D ||
+        Hq / Hkv > PAGED_MAX_G || threads < 1)
+        return SLUICE_E_ARGS;
     for (int64_t p = 0; p < P; p++) {
-        const int64_t r = req ? req[p] : p;
-        if (num_keys[p] < 1 || num_keys[p] > nblk * bs || r < 0 || r >= R) return -1;
+        const int64_t r = req ? req[p] : p, end = num_keys[p];
+        if (!in_range(r, R)) return SLUICE_E_REQUEST;
+        if (end < 1 || end > nblk * bs) return SLUICE_E_KEYS;
+        if (!blocks_ok(table + r * nblk, key_start(end, window), end, bs, blocks))
+            return SLUICE_E_BLOCK;
     }
     paged_job job = {q, qs, q_bf16, out, cache, table, nblk, req, num_keys, window, Hq, Hkv, D, bs, scale};
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 2) num_threads(threads) reduction(| : bad)
     for (int64_t task = 0; task < P * Hkv; task++) bad |= paged_any(&job, task);
-    return bad ? -2 : 0;
+    return bad ? SLUICE_E_NOMEM : SLUICE_OK;
 }
 
 
@@ -1120,9 +1201,12 @@ DP_TARGET void sluice_argmax_bf16(const uint16_t *x, int64_t M, int64_t N, int64
 
 /* RoPE in place on the first `heads` heads of each bf16 row of x (row stride `stride`,
    pairs (re, im)): v * table[pos[m]] (fp32 pairs, `half` per head), products rounded
-   before the sum as torch's complex multiply does (half % 8 == 0) */
-DP_TARGET void sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const float *table,
-                                const int64_t *pos, int64_t heads, int64_t half, int threads) {
+   before the sum as torch's complex multiply does (half % 8 == 0); each pos[m] is checked
+   against the table's `positions` first */
+DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const float *table,
+                               const int64_t *pos, int64_t positions, int64_t heads,
+                               int64_t half, int threads) {
+    if (!positions_ok(pos, M, positions)) return SLUICE_E_POS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; m++) {
         const float *t = table + pos[m] * half * 2;
@@ -1138,6 +1222,7 @@ DP_TARGET void sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const fl
             }
         }
     }
+    return SLUICE_OK;
 }
 
 /* ---- sluice_decode_layers: every decoder layer of a small decode step in one call ----
@@ -1168,6 +1253,7 @@ typedef struct {
     const float *rope; /* [positions, D/2, 2] */
     int32_t cache_bf16, threads;
     int64_t min_work; /* a kernel's multiply-adds below which it runs on one thread */
+    int64_t blocks, positions; /* of every layer's KV cache, of the RoPE table */
 } dl_model;
 
 static int dl_threads(const dl_model *m, int64_t work) {
@@ -1186,21 +1272,33 @@ int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, in
                          const int64_t *pos, const int64_t *slots, const int64_t *table,
                          int64_t nblk, const int64_t *num_keys) {
     const int64_t H = m->H, I = m->I, D = m->D, qkv_w = (m->Hq + 2 * m->Hkv) * D;
+    if (M < 1 || M > 4 || !attn_shape_ok(m->Hq, m->Hkv, D, m->bs, m->blocks))
+        return SLUICE_E_ARGS;
+    /* every layer reads and writes the same ids: checked once for the step, the blocks
+       of the widest window (0: every key) */
+    if (!positions_ok(pos, M, m->positions)) return SLUICE_E_POS;
+    int64_t widest = 0;
+    for (int64_t l = 0; l < m->layers; l++) {
+        const int64_t w = layers[l].window;
+        if (w <= 0) { widest = 0; break; }
+        widest = w > widest ? w : widest;
+    }
+    int rc = decode_rows_ok(slots, table, nblk, num_keys, widest, M, m->bs, m->blocks);
+    if (rc) return rc;
     float *x = malloc((size_t)M * (H + qkv_w + m->Hq * D + 3 * I) * sizeof(float));
-    if (!x) return -2;
+    if (!x) return SLUICE_E_NOMEM;
     float *qkv = x + M * H, *attn = qkv + M * qkv_w, *gu = attn + M * m->Hq * D;
     float *act = gu + 2 * M * I;
     /* shared whenever there are tasks to share: the helpers still spin from the qkv GEMV */
     const int attn_threads = M * m->Hkv > 1 ? m->threads : 1;
-    int rc = 0;
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
         const dl_layer *L = layers + l;
         sluice_rms_norm(h, L->in_norm, m->eps, x, M, H);
         if ((rc = dl_linear(m, &L->qkv, x, qkv, M, 0))) break;
-        sluice_rope(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
-        rc = sluice_attn_decode(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
-                                M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
-                                m->cache_bf16);
+        rope_rows(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
+        rc = attn_decode_run(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
+                             M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
+                             m->cache_bf16);
         if (rc || (rc = dl_linear(m, &L->o, attn, h, M, 1))) break;
         sluice_rms_norm(h, L->post_norm, m->eps, x, M, H);
         if ((rc = dl_linear(m, &L->gate_up, x, gu, M, 0))) break;

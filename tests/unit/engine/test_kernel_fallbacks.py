@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from sluice.engine import kernels
+from sluice.engine.kernels import build, config
 from sluice.engine.options import EngineOptions
 
-HAS_AVX2 = {"avx2", "fma"} <= kernels._cpu_flags()
+HAS_AVX2 = {"avx2", "fma"} <= build.cpu_flags()
 HAS_CC = bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc"))
 needs_build = pytest.mark.skipif(not (HAS_AVX2 and HAS_CC), reason="no AVX2/FMA or no compiler")
 
@@ -26,13 +27,13 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == kernels.__name__ and r.levelno >= logging.WARNING
+        if r.name == build.__name__ and r.levelno >= logging.WARNING
     ]
 
 
 @pytest.fixture(autouse=True)
 def _capture(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger=kernels.__name__)
+    caplog.set_level(logging.INFO, logger=build.__name__)
 
 
 @pytest.fixture
@@ -127,7 +128,7 @@ def test_an_unresolvable_home_falls_back_with_one_warning(
     def no_entry(uid: int) -> pwd.struct_passwd:
         raise KeyError(f"getpwuid(): uid not found: {uid}")
 
-    monkeypatch.setattr(kernels, "_options", EngineOptions(kernel_cache_dir=None))
+    monkeypatch.setattr(config, "_options", EngineOptions(kernel_cache_dir=None))
     monkeypatch.delenv("HOME", raising=False)
     monkeypatch.setattr(pwd, "getpwuid", no_entry)
     assert kernels.load_cpu_ops(cpuinfo=avx2_cpuinfo) is None
@@ -154,7 +155,7 @@ def test_a_corrupt_cached_library_is_rebuilt(
 def test_disabled_kernels_are_none_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(kernels, "_options", EngineOptions(kernels=False))
+    monkeypatch.setattr(config, "_options", EngineOptions(kernels=False))
     assert kernels.cpu_ops.__wrapped__() is None
     assert _warnings(caplog) == []
 

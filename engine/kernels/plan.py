@@ -1,0 +1,163 @@
+"""The weights the kernels take (`ProjWeights`, `LayerWeights`) and the C description of a
+model's decoder layers for `CpuOps.decode_layers` (`DecodePlan`), checked as it is built."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.kernels.checks import BF16, F32, F32_BF16, I8, bad, tensor
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [
+        ("w", _P), ("scale", _P), ("bias", _P), ("N", _I), ("K", _I),
+        ("int8", ctypes.c_int32), ("mode", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("qkv", _Proj), ("o", _Proj),
+        ("gate_up", _Proj), ("down", _Proj), ("cache", _P), ("window", _I),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I), ("H", _I), ("I", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("bs", _I),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope", _P),
+        ("cache_bf16", ctypes.c_int32), ("threads", ctypes.c_int32), ("min_work", _I),
+        ("blocks", _I), ("positions", _I),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ProjWeights:
+    """One projection as the kernels take it: bf16 `weight` (`round_x`: x rounded to bf16
+    first, see `CpuOps.bf16_linear`) or int8 `weight` with fp32 `scale` per row; fp32 bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: torch.Tensor | None = None
+    round_x: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """What `CpuOps.decode_layers` reads of one decoder layer (fp32 norm weights)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: ProjWeights
+    o: ProjWeights
+    gate_up: ProjWeights
+    down: ProjWeights
+    window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """A runner's layers and KV caches for `CpuOps.decode_layers`, built once
+    (`CpuOps.decode_plan`); it holds the tensors whose addresses the C structs keep."""
+
+    model: _Model
+    layers: ctypes.Array[_Layer]
+    keep: tuple[object, ...]
+
+
+def check_proj(op: str, name: str, p: ProjWeights, n: int | None, k: int | None) -> int:
+    """The output width N of projection `p` after checking its weight ([n, k], bf16, or
+    int8 with an fp32 `scale` [N]) and fp32 bias [N]."""
+    int8 = p.scale is not None
+    n_out, _ = tensor(op, f"{name}.weight", p.weight, I8 if int8 else BF16, (n, k))
+    if p.scale is not None:
+        tensor(op, f"{name}.scale", p.scale, F32, (n_out,))
+    if p.bias is not None:
+        tensor(op, f"{name}.bias", p.bias, F32, (n_out,))
+    return n_out
+
+
+def _proj(p: ProjWeights, mode: int) -> _Proj:
+    return _Proj(
+        p.weight.data_ptr(), _ptr(p.scale), _ptr(p.bias), p.weight.shape[0],
+        p.weight.shape[1], int(p.scale is not None), mode,
+    )  # fmt: skip
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_layer(op: str, i: int, lw: LayerWeights, h: int, inter: int, q: int, kv: int) -> None:
+    """Layer i's weights against the model's sizes (hidden h, intermediate `inter`, q and
+    K|V widths): a wrong one would be read past its end by every step."""
+    name = f"layers[{i}]"
+    tensor(op, f"{name}.in_norm", lw.in_norm, F32, (h,))
+    tensor(op, f"{name}.post_norm", lw.post_norm, F32, (h,))
+    check_proj(op, f"{name}.qkv", lw.qkv, q + kv, h)
+    check_proj(op, f"{name}.o", lw.o, h, q)
+    check_proj(op, f"{name}.gate_up", lw.gate_up, 2 * inter, h)
+    check_proj(op, f"{name}.down", lw.down, h, inter)
+
+
+def build_plan(
+    layers: Sequence[LayerWeights],
+    mode: dict[bool, int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    eps: float,
+    rope: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+) -> DecodePlan:
+    """`CpuOps.decode_plan`, `mode` the GEMV mode of round_x False and True."""
+    op = "decode_plan"
+    if not layers:
+        raise bad(op, "no layers")
+    if len(layers) != len(kv_caches):
+        raise bad(op, "one KV cache a layer")
+    if not (kv_heads > 0 and heads % kv_heads == 0 and head_dim % 2 == 0 and block_size > 0):
+        raise bad(
+            op,
+            f"heads {heads} a multiple of kv_heads {kv_heads}, head_dim {head_dim} even, "
+            f"block_size {block_size} > 0",
+        )
+    cache = (None, block_size, 2, kv_heads, head_dim)
+    blocks = tensor(op, "kv_caches[0]", kv_caches[0], F32_BF16, cache)[0]
+    for i, c in enumerate(kv_caches):
+        tensor(op, f"kv_caches[{i}]", c, (kv_caches[0].dtype,), (blocks, *cache[1:]))
+    positions = tensor(op, "rope", rope, F32, (None, head_dim // 2, 2))[0]
+    first = layers[0]
+    h = tensor(op, "layers[0].in_norm", first.in_norm, F32, (None,))[0]
+    inter = first.down.weight.shape[-1]  # checked with the rest of layer 0 below
+    for i, lw in enumerate(layers):
+        _check_layer(op, i, lw, h, inter, heads * head_dim, 2 * kv_heads * head_dim)
+    array = (_Layer * len(layers))(
+        *(
+            _Layer(
+                lw.in_norm.data_ptr(),
+                lw.post_norm.data_ptr(),
+                _proj(lw.qkv, mode[lw.qkv.round_x]),
+                _proj(lw.o, mode[lw.o.round_x]),
+                _proj(lw.gate_up, mode[lw.gate_up.round_x]),
+                _proj(lw.down, mode[lw.down.round_x]),
+                cache.data_ptr(),
+                lw.window or 0,
+            )
+            for lw, cache in zip(layers, kv_caches, strict=True)
+        )
+    )
+    model = _Model(
+        len(layers), h, inter, heads, kv_heads, head_dim, block_size, eps, head_dim**-0.5,
+        rope.data_ptr(), int(kv_caches[0].dtype == torch.bfloat16), 1, 0, blocks, positions,
+    )  # fmt: skip
+    return DecodePlan(model, array, (tuple(layers), tuple(kv_caches), rope))
