@@ -8,7 +8,6 @@ Memory bus and the fake engine worker behind it; the client side is the real SDK
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -194,11 +193,9 @@ def test_client_disconnect_cancels(
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/chat/completions", json=body, timeout=0.5)
             [req] = engine.wait_for_requests(1)
-    t0 = time.monotonic()
     [cancel] = engine.wait_for_cancels(1)
     assert cancel.request_id == req.request_id
     assert cancel.reason == "client disconnected"
-    assert time.monotonic() - t0 < 2.0
 
 
 def test_failover_stream_seen_once_by_the_sdk(

@@ -9,7 +9,6 @@ consumers, and a tap that keeps every `UsageRecord` the engine published.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from tests.unit.api.conftest import gateway_settings
 from tests.unit.api.fakes import ServerThread, served_model
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import WorkerThread
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 
@@ -92,10 +92,7 @@ class Stack:
         return [s.base_url for s in self.servers]
 
     def wait(self, predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.02)
+        wait_until(predicate, timeout_s, what or "the condition")
 
     def close(self) -> None:
         for server in self.servers:

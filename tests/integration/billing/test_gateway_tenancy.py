@@ -31,6 +31,7 @@ from sluice.storage.quota_redis import RedisQuotaStore
 from sluice.storage.tables import UsageEntry
 from tests.integration.billing.gateway_stack import MODEL, RedisProxy, Stack, start_stack
 from tests.integration.storage.stores import empty
+from tests.waiting import wait_until_async
 
 RATE_HEADERS = {
     f"x-ratelimit-{kind}-{dim}"
@@ -114,12 +115,15 @@ async def _burst(stack: Stack, key: str, n: int) -> list[httpx.Response]:
             return await client.post(url, json=chat(4))
 
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
-        while sum(t.done() for t in tasks) < n:
+
+        def answered() -> bool:
             codes = [t.result().status_code for t in tasks if t.done() and not t.exception()]
             unexpected = any(code not in (200, 429) for code in codes)
             if codes.count(429) >= n - 10 or unexpected:
                 stack.backend.gate.set()  # the rest were admitted (or failed): let them end
-            await asyncio.sleep(0.02)
+            return all(t.done() for t in tasks)
+
+        await wait_until_async(answered, 60, f"{n} answers")
         return [t.result() for t in tasks]
 
 
@@ -332,7 +336,6 @@ def test_redis_outage_opens_rate_limits_with_a_local_cap_and_closes_budgets(
 async def _burst_one(url: str, key: str, n: int, stack: Stack) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=30, headers=auth(key)) as client:
         tasks = [asyncio.create_task(client.post(url, json=chat(3))) for _ in range(n)]
-        while sum(t.done() for t in tasks) < n // 2:
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: sum(t.done() for t in tasks) >= n // 2, 30, "the refusals")
         stack.backend.gate.set()
         return list(await asyncio.gather(*tasks))

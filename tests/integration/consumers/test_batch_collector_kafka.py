@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from tests.integration.storage.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 from tests.unit.api.fakes import served_model
 from tests.unit.consumers.batch_replies import TOPIC, delta, publish
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -124,13 +124,6 @@ class Collecting:
         assert not self.thread.is_alive()
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)
-
-
 def chat_body(n: int = 1) -> str:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": n}
     return json.dumps(body | {"max_tokens": 5, "temperature": 0})
@@ -191,7 +184,7 @@ def test_each_line_stored_once_and_commits_never_pass_an_unstored_line(
         publish(bus, delta(bid, 1, 1, 0, 2, "llo", **end))  # resumed: overlaps by one token
         publish(bus, delta(bid, 1, 0, 1, 3, "XX"))  # the superseded attempt, late: fenced
         with Collecting(bus, store) as one:
-            wait_until(lambda: store.unfinished(bid) == 3, "lines 0 and 1 stored")
+            wait_until(lambda: store.unfinished(bid) == 3, 60, "lines 0 and 1 stored")
             first[2] = publish(bus, delta(bid, 2, 0, 0, 0, "ab"))  # left unfinished
             first[3] = publish(bus, delta(bid, 3, 0, 0, 0, "xyz", **end))
             first[4] = publish(
@@ -200,15 +193,15 @@ def test_each_line_stored_once_and_commits_never_pass_an_unstored_line(
                 delta(bid, 4, 0, 0, 0, "two", index=1, **end),
             )
             last = publish(bus, delta(bid, 1, 1, 0, 2, "llo", **end))  # redelivered, stored
-            wait_until(lambda: store.unfinished(bid) == 1, "lines 3 and 4 stored")
+            wait_until(lambda: store.unfinished(bid) == 1, 60, "lines 3 and 4 stored")
         # stopped with line 2 unfinished: committed up to its first record, no further
         # (every record before it is of a stored line, the redelivered ones included)
         assert bus.commits[-1].offsets == {tp: first[2]}
         assert one.collector.lines_stored == 4 and one.done_batches == []
         with Collecting(bus, store) as two:
             end_offset = publish(bus, delta(bid, 2, 0, 1, 2, "cde", **end)) + 1
-            wait_until(lambda: store.unfinished(bid) == 0, "line 2 stored by the successor")
-            wait_until(lambda: two.done_batches == [bid], "the batch reported done")
+            wait_until(lambda: store.unfinished(bid) == 0, 60, "line 2 stored by the successor")
+            wait_until(lambda: two.done_batches == [bid], 60, "the batch reported done")
         assert two.collector.lines_stored == 1
         assert bus.commits[-1].offsets == {tp: end_offset}
         assert last < end_offset

@@ -6,7 +6,6 @@ both attempts' `process` subtrees under the request's one `send` span."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ from sluice.tracing.spans import SendSpan, tracer
 from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
 from tests.unit.tracing.memory_spans import parent_of, span_id, trace_id
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -71,10 +71,9 @@ def test_both_attempts_of_a_failover_share_the_trace(
         b.start(60)
         client.wait_finished([request.request_id], timeout_s=60)
         b.stop()
-        deadline = time.monotonic() + 30
-        while len(_inference(spans, request.request_id)) < 2:
-            assert time.monotonic() < deadline, [s.name for s in spans.get_finished_spans()]
-            time.sleep(0.05)
+        wait_until(
+            lambda: len(_inference(spans, request.request_id)) >= 2, 30, "two inference spans"
+        )
     finally:
         loop.stop()
         consumer.join(10)
