@@ -250,7 +250,7 @@ class CpuOps:
         [blocks, bs, 2, Hkv, D] is fp32 or bf16."""
         op = "attn_decode"
         nb, bs, _, hkv, d = tensor(op, "kv_cache", kv_cache, F32_BF16, (None, None, 2, None, None))
-        if not (num_heads > 0 and num_heads % hkv == 0):
+        if not (num_heads > 0 and hkv > 0 and num_heads % hkv == 0):
             raise bad(op, f"{num_heads} heads over {hkv} KV heads")
         p = tensor(op, "qkv", qkv, F32, (None, (num_heads + 2 * hkv) * d), rows=True)[0]
         nblk = _step_ids(op, p, table, slots, num_keys)
@@ -287,7 +287,7 @@ class CpuOps:
         self._need_bf16_dot(op)
         nb, bs, _, hkv, d = tensor(op, "kv_cache", kv_cache, BF16, (None, None, 2, None, None))
         p, hq, _ = tensor(op, "q", q, F32_BF16, (None, None, d), rows=True)
-        if not (hq % hkv == 0 and hq // hkv <= 16 and d % 32 == 0 and d <= 256):
+        if not (hkv > 0 and hq % hkv == 0 and hq // hkv <= 16 and d % 32 == 0 and d <= 256):
             raise bad(
                 op, f"Hq {hq} a multiple of Hkv {hkv} up to 16x, D {d} a multiple of 32 <= 256"
             )

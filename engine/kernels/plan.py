@@ -107,6 +107,26 @@ def _check_layer(op: str, i: int, lw: LayerWeights, h: int, inter: int, q: int, 
     check_proj(op, f"{name}.down", lw.down, h, inter)
 
 
+def _check_caches(
+    op: str, caches: Sequence[torch.Tensor], block_size: int, kv_heads: int, head_dim: int
+) -> int:
+    """The caches' block count after checking they are alike: [blocks, block_size, 2,
+    kv_heads, head_dim], fp32 or bf16, contiguous."""
+    shape = (None, block_size, 2, kv_heads, head_dim)
+    blocks = tensor(op, "kv_caches[0]", caches[0], F32_BF16, shape)[0]
+    for i, c in enumerate(caches):
+        tensor(op, f"kv_caches[{i}]", c, (caches[0].dtype,), (blocks, *shape[1:]))
+    return blocks
+
+
+def _layer(lw: LayerWeights, cache: torch.Tensor, mode: dict[bool, int]) -> _Layer:
+    return _Layer(
+        lw.in_norm.data_ptr(), lw.post_norm.data_ptr(), _proj(lw.qkv, mode[lw.qkv.round_x]),
+        _proj(lw.o, mode[lw.o.round_x]), _proj(lw.gate_up, mode[lw.gate_up.round_x]),
+        _proj(lw.down, mode[lw.down.round_x]), cache.data_ptr(), lw.window or 0,
+    )  # fmt: skip
+
+
 def build_plan(
     layers: Sequence[LayerWeights],
     mode: dict[bool, int],
@@ -121,40 +141,22 @@ def build_plan(
 ) -> DecodePlan:
     """`CpuOps.decode_plan`, `mode` the GEMV mode of round_x False and True."""
     op = "decode_plan"
-    if not layers:
-        raise bad(op, "no layers")
-    if len(layers) != len(kv_caches):
-        raise bad(op, "one KV cache a layer")
+    if not layers or len(layers) != len(kv_caches):
+        raise bad(op, f"one KV cache a layer, got {len(kv_caches)} for {len(layers)} layers")
     if not (kv_heads > 0 and heads % kv_heads == 0 and head_dim % 2 == 0 and block_size > 0):
         raise bad(
             op,
             f"heads {heads} a multiple of kv_heads {kv_heads}, head_dim {head_dim} even, "
             f"block_size {block_size} > 0",
         )
-    cache = (None, block_size, 2, kv_heads, head_dim)
-    blocks = tensor(op, "kv_caches[0]", kv_caches[0], F32_BF16, cache)[0]
-    for i, c in enumerate(kv_caches):
-        tensor(op, f"kv_caches[{i}]", c, (kv_caches[0].dtype,), (blocks, *cache[1:]))
+    blocks = _check_caches(op, kv_caches, block_size, kv_heads, head_dim)
     positions = tensor(op, "rope", rope, F32, (None, head_dim // 2, 2))[0]
-    first = layers[0]
-    h = tensor(op, "layers[0].in_norm", first.in_norm, F32, (None,))[0]
-    inter = first.down.weight.shape[-1]  # checked with the rest of layer 0 below
+    h = tensor(op, "layers[0].in_norm", layers[0].in_norm, F32, (None,))[0]
+    inter = layers[0].down.weight.shape[-1]  # checked with the rest of layer 0 below
     for i, lw in enumerate(layers):
         _check_layer(op, i, lw, h, inter, heads * head_dim, 2 * kv_heads * head_dim)
     array = (_Layer * len(layers))(
-        *(
-            _Layer(
-                lw.in_norm.data_ptr(),
-                lw.post_norm.data_ptr(),
-                _proj(lw.qkv, mode[lw.qkv.round_x]),
-                _proj(lw.o, mode[lw.o.round_x]),
-                _proj(lw.gate_up, mode[lw.gate_up.round_x]),
-                _proj(lw.down, mode[lw.down.round_x]),
-                cache.data_ptr(),
-                lw.window or 0,
-            )
-            for lw, cache in zip(layers, kv_caches, strict=True)
-        )
+        *(_layer(lw, cache, mode) for lw, cache in zip(layers, kv_caches, strict=True))
     )
     model = _Model(
         len(layers), h, inter, heads, kv_heads, head_dim, block_size, eps, head_dim**-0.5,
