@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sluice.api import output, prepare, structured, tools
 from sluice.api.auth import Principal
-from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from sluice.api.errors import InvalidRequest, error_for_finish
-from sluice.api.formatting import ChatFormat, generation_usage, with_reasoning_tokens
-from sluice.api.generation import Generation
+from sluice.api.deps import Gateway, gateway, screened_principal
+from sluice.api.errors import InvalidRequest
+from sluice.api.formatting import ChatFormat, with_reasoning_tokens
+from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.output import ChoiceReader, OutputPlan, reasoning_tokens
 from sluice.api.prepare import Call
 from sluice.api.reasoning import CLOSE
+from sluice.api.run import CallAnswer, run_call
 from sluice.api.schemas import ChatCompletionRequest
 from sluice.api.served import ServedModel
-from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
 from sluice.api.tools import ToolPlan
 from sluice.bus.messages import SamplingSpec, StructuredSpec
 
@@ -147,77 +147,64 @@ async def create_chat_completion(
     principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
-    cid = call_id(request)
-    call, model = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
-    )
-    plan = output_plan(body, model)
-    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
-    fmt = ChatFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(generation, fmt, call, body, plan, include_usage, gw.sse_ping_s))
-    results = await collect_answer(request, generation)
-    if results is None:
-        return Response(status_code=499)
-    usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(
-        fmt.completion(results, usage_obj, body.logprobs, plan, body.prompt_logprobs)
-    )
+    return await run_call(request, principal, gw, body, build, compiles, _ChatAnswer)
 
 
-async def _stream(
-    generation: Generation,
-    fmt: ChatFormat,
-    call: Call,
-    body: ChatCompletionRequest,
-    plan: OutputPlan,
-    include_usage: bool,
-    ping_s: float,
-) -> AsyncIterator[str]:
-    readers = [ChoiceReader(plan) for _ in generation.tracks]
-    try:
-        for index in range(len(generation.tracks)):
-            yield sse_data(fmt.chunk(index, {"role": "assistant", "content": ""}))
-        async for ev in pump(generation, ping_s):
-            if ev is None:
-                yield PING
-                continue
-            if plan.plain:
-                if ev.text or (body.logprobs and ev.logprobs):
-                    yield sse_data(
-                        fmt.chunk(ev.index, {"content": ev.text}, None, ev.logprobs, body.logprobs)
-                    )
-            else:
-                reader = readers[ev.index]
-                pieces = reader.feed(ev.text) if ev.text else []
-                if ev.finish_reason is not None:
-                    pieces += reader.finish()
-                logprobs = ev.logprobs if body.logprobs else None
-                for piece in pieces:
-                    yield sse_data(
-                        fmt.chunk(ev.index, fmt.delta(piece), None, logprobs, bool(logprobs))
-                    )
-                    logprobs = None
-                if logprobs:  # tokens whose text is held back still show their logprobs
-                    yield sse_data(fmt.chunk(ev.index, {"content": ""}, None, logprobs, True))
-            if ev.finish_reason is None:
-                continue
-            error = error_for_finish(ev.finish_reason, ev.error)
-            if error is not None:
-                yield sse_data(error.body())
-                yield DONE
-                return
-            finish: str = ev.finish_reason
-            if readers[ev.index].calls and finish == "stop":
-                finish = "tool_calls"
-            yield sse_data(fmt.chunk(ev.index, {}, finish))
-        if include_usage:
-            usage_obj = generation_usage(call.num_prompt_tokens, generation)
-            if plan.reasoning:
-                count = reasoning_tokens(fmt.tokenizer, readers)
-                usage_obj = with_reasoning_tokens(usage_obj, count)
-            yield sse_data(fmt.usage_chunk(usage_obj))
-        yield DONE
-    finally:
-        generation.abandon()
+class _ChatAnswer(CallAnswer):
+    """Chat chunks: a role chunk per choice first, then content, tool calls and
+    reasoning as the output plan reads them; a stop with tool calls is 'tool_calls'."""
+
+    def __init__(self, body: ChatCompletionRequest, call: Call, model: ServedModel) -> None:
+        super().__init__(body, call, model)
+        self.body = body
+        self.plan = output_plan(body, model)
+        self.readers: list[ChoiceReader] = []
+
+    def begin(self, generation: Generation) -> None:
+        call, model = self.call, self.model
+        self.fmt = ChatFormat(
+            call.call_id, model.name, generation.created, call.tier, model.tokenizer
+        )
+        self.readers = [ChoiceReader(self.plan) for _ in generation.tracks]
+
+    def opening(self) -> Iterator[dict[str, Any]]:
+        for index in range(len(self.readers)):
+            yield self.fmt.chunk(index, {"role": "assistant", "content": ""})
+
+    def before_finish(self, ev: StreamEvent) -> Iterator[dict[str, Any]]:
+        fmt, want = self.fmt, self.body.logprobs
+        if self.plan.plain:
+            if ev.text or (want and ev.logprobs):
+                yield fmt.chunk(ev.index, {"content": ev.text}, None, ev.logprobs, want)
+            return
+        reader = self.readers[ev.index]
+        pieces = reader.feed(ev.text) if ev.text else []
+        if ev.finish_reason is not None:
+            pieces += reader.finish()
+        logprobs = ev.logprobs if want else None
+        for piece in pieces:
+            yield fmt.chunk(ev.index, fmt.delta(piece), None, logprobs, bool(logprobs))
+            logprobs = None
+        if logprobs:  # tokens whose text is held back still show their logprobs
+            yield fmt.chunk(ev.index, {"content": ""}, None, logprobs, True)
+
+    def after_finish(self, ev: StreamEvent) -> Iterator[dict[str, Any]]:
+        if ev.finish_reason is None:
+            return
+        finish: str = ev.finish_reason
+        if self.readers[ev.index].calls and finish == "stop":
+            finish = "tool_calls"
+        yield self.fmt.chunk(ev.index, {}, finish)
+
+    def usage_chunk(self, generation: Generation) -> dict[str, Any]:
+        usage_obj = self.usage(generation)
+        if self.plan.reasoning:
+            count = reasoning_tokens(self.fmt.tokenizer, self.readers)
+            usage_obj = with_reasoning_tokens(usage_obj, count)
+        return self.fmt.usage_chunk(usage_obj)
+
+    def whole(self, results: list[ChoiceResult], usage_obj: dict[str, Any]) -> dict[str, Any]:
+        body = self.body
+        return self.fmt.completion(
+            results, usage_obj, body.logprobs, self.plan, body.prompt_logprobs
+        )

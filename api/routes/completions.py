@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sluice.api import prepare, structured
 from sluice.api.auth import Principal
-from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from sluice.api.errors import error_for_finish
-from sluice.api.formatting import CompletionFormat, EchoedPrompt, generation_usage
-from sluice.api.generation import Generation
+from sluice.api.deps import Gateway, gateway, screened_principal
+from sluice.api.formatting import CompletionFormat, EchoedPrompt
+from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.prepare import Call
+from sluice.api.run import CallAnswer, run_call
 from sluice.api.schemas import CompletionRequest
 from sluice.api.served import ServedModel
-from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
 from sluice.bus.messages import SamplingSpec
 
 router = APIRouter(prefix="/v1", tags=["completions"])
@@ -114,113 +112,85 @@ async def create_completion(
     principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
-    cid = call_id(request)
-    call, model = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
-    )
-    echo = echo_texts(body, model)
-    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
-    fmt = CompletionFormat(call.call_id, model.name, generation.created, call.tier, model.tokenizer)
-    want_logprobs = body.logprobs is not None
-    prompts = echo_prompts(body, call)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(
-            _stream(
-                generation,
-                fmt,
-                call,
-                _Wants(want_logprobs, body.return_token_ids, include_usage, body.logprobs or 0),
-                gw.sse_ping_s,
-                echo,
-                prompts,
-            )
+    return await run_call(request, principal, gw, body, build, compiles, _CompletionAnswer)
+
+
+class _CompletionAnswer(CallAnswer):
+    """Completion chunks: with `echo` the prompt comes first; with `prompts` (echo with
+    logprobs) a choice's prompt chunk waits for its first event, which brings the
+    prompt's logprobs."""
+
+    def __init__(self, body: CompletionRequest, call: Call, model: ServedModel) -> None:
+        super().__init__(body, call, model)
+        self.body = body
+        self.echo = echo_texts(body, model)
+        self.prompts = echo_prompts(body, call)
+        self.want_logprobs = body.logprobs is not None
+        self.top = body.logprobs or 0  # alternatives per token
+        self.text_offsets: list[int] = []
+        self.unechoed: set[int] = set()
+
+    def begin(self, generation: Generation) -> None:
+        call, model = self.call, self.model
+        self.fmt = CompletionFormat(
+            call.call_id, model.name, generation.created, call.tier, model.tokenizer
         )
-    results = await collect_answer(request, generation)
-    if results is None:
-        return Response(status_code=499)
-    usage_obj = generation_usage(call.num_prompt_tokens, generation)
-    return JSONResponse(
-        fmt.completion(
+        self.text_offsets = [0] * len(generation.tracks)
+        if self.echo and self.prompts:
+            self.unechoed = set(range(len(self.echo)))
+
+    def opening(self) -> Iterator[dict[str, Any]]:
+        for index, text in enumerate(self.echo or []):
+            if index not in self.unechoed:
+                yield self.fmt.chunk(index, text, None, None, 0, False)
+                self.text_offsets[index] = len(text)
+
+    def before_finish(self, ev: StreamEvent) -> Iterator[dict[str, Any]]:
+        if ev.index not in self.unechoed:
+            return
+        assert self.echo is not None and self.prompts is not None
+        self.unechoed.discard(ev.index)
+        prompt = None
+        if ev.prompt_logprobs is not None:
+            prompt = EchoedPrompt(self.prompts[ev.index], ev.prompt_logprobs, self.top)
+        text = self.echo[ev.index]
+        yield self.fmt.chunk(ev.index, text, None, None, 0, True, None, prompt)
+        self.text_offsets[ev.index] = len(text)
+
+    def after_finish(self, ev: StreamEvent) -> Iterator[dict[str, Any]]:
+        token_ids = self.body.return_token_ids
+        # with token ids, a token whose text is still held back gets a chunk too
+        if not (
+            ev.text
+            or ev.finish_reason is not None
+            or (self.want_logprobs and ev.logprobs)
+            or (token_ids and ev.token_ids)
+        ):
+            return
+        chunk = self.fmt.chunk(
+            ev.index,
+            ev.text,
+            ev.finish_reason,
+            ev.logprobs,
+            self.text_offsets[ev.index],
+            self.want_logprobs,
+            ev.token_ids if token_ids else None,
+        )
+        self.text_offsets[ev.index] += len(ev.text)
+        yield chunk
+
+    def usage_chunk(self, generation: Generation) -> dict[str, Any]:
+        return self.fmt.usage_chunk(self.usage(generation))
+
+    def whole(self, results: list[ChoiceResult], usage_obj: dict[str, Any]) -> dict[str, Any]:
+        body = self.body
+        return self.fmt.completion(
             results,
             usage_obj,
-            want_logprobs,
+            self.want_logprobs,
             body.return_token_ids,
-            echo,
-            prompts,
-            body.logprobs or 0,
+            self.echo,
+            self.prompts,
+            self.top,
             body.prompt_logprobs,
         )
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Wants:
-    """What a stream's chunks carry beyond the text."""
-
-    logprobs: bool
-    token_ids: bool
-    usage: bool
-    top: int = 0  # the request's `logprobs`: alternatives per token
-
-
-async def _stream(
-    generation: Generation,
-    fmt: CompletionFormat,
-    call: Call,
-    wants: _Wants,
-    ping_s: float,
-    echo: list[str] | None = None,
-    prompts: list[list[int]] | None = None,
-) -> AsyncIterator[str]:
-    """`echo`: the prompt comes first; with `prompts` (echo with logprobs) a choice's
-    prompt chunk waits for its first event, which brings the prompt's logprobs."""
-    text_offsets = [0] * len(generation.tracks)
-    unechoed = set(range(len(echo))) if echo and prompts else set()
-    try:
-        for index, text in enumerate(echo or []):
-            if index not in unechoed:
-                yield sse_data(fmt.chunk(index, text, None, None, 0, False))
-                text_offsets[index] = len(text)
-        async for ev in pump(generation, ping_s):
-            if ev is None:
-                yield PING
-                continue
-            if ev.index in unechoed:
-                assert echo is not None and prompts is not None
-                unechoed.discard(ev.index)
-                prompt = None
-                if ev.prompt_logprobs is not None:
-                    prompt = EchoedPrompt(prompts[ev.index], ev.prompt_logprobs, wants.top)
-                text = echo[ev.index]
-                yield sse_data(fmt.chunk(ev.index, text, None, None, 0, True, None, prompt))
-                text_offsets[ev.index] = len(text)
-            if ev.finish_reason is not None:
-                error = error_for_finish(ev.finish_reason, ev.error)
-                if error is not None:
-                    yield sse_data(error.body())
-                    yield DONE
-                    return
-            # with token ids, a token whose text is still held back gets a chunk too
-            if (
-                ev.text
-                or ev.finish_reason is not None
-                or (wants.logprobs and ev.logprobs)
-                or (wants.token_ids and ev.token_ids)
-            ):
-                chunk = fmt.chunk(
-                    ev.index,
-                    ev.text,
-                    ev.finish_reason,
-                    ev.logprobs,
-                    text_offsets[ev.index],
-                    wants.logprobs,
-                    ev.token_ids if wants.token_ids else None,
-                )
-                text_offsets[ev.index] += len(ev.text)
-                yield sse_data(chunk)
-        if wants.usage:
-            yield sse_data(fmt.usage_chunk(generation_usage(call.num_prompt_tokens, generation)))
-        yield DONE
-    finally:
-        generation.abandon()

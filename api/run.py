@@ -1,0 +1,128 @@
+"""Run one chat or completions call and answer it: an SSE stream of chunks, or one JSON body.
+
+What the two routes share lives here: building the call (off the loop when it compiles
+a constraint or is large), submitting it, and the frame of either answer. A stream
+opens with the route's first chunks and pings while idle; an event whose finish is an
+error ends it with that error's body and `[DONE]`, else it closes with the usage chunk
+(when `stream_options.include_usage`) and `[DONE]`; however it ends, the generation is
+abandoned. A whole answer waits for every choice (499 when the client left first) and
+carries the usage. A route says the rest in a `CallAnswer`: how an event becomes chunks
+and how the whole body reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from sluice.api.auth import Principal
+from sluice.api.deps import Gateway, build_off_loop_if_large, call_id
+from sluice.api.errors import error_for_finish
+from sluice.api.formatting import generation_usage
+from sluice.api.generation import ChoiceResult, Generation, StreamEvent
+from sluice.api.prepare import Call
+from sluice.api.schemas import StreamOptions
+from sluice.api.served import ServedModel
+from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
+
+Payload = dict[str, Any]
+BodyT = TypeVar("BodyT")
+
+
+class StreamedBody(Protocol):
+    """The request fields that choose between a stream and a whole answer."""
+
+    stream: bool
+    stream_options: StreamOptions | None
+
+
+class CallAnswer(ABC):
+    """One call's answer as its route lays it out; made before the call is submitted."""
+
+    def __init__(self, body: StreamedBody, call: Call, model: ServedModel) -> None:
+        self.call = call
+        self.model = model
+        self.stream = body.stream
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    @abstractmethod
+    def begin(self, generation: Generation) -> None:
+        """The call was submitted: `generation` runs it."""
+
+    def opening(self) -> Iterator[Payload]:
+        """The stream's first chunks, before any event."""
+        return iter(())
+
+    @abstractmethod
+    def before_finish(self, ev: StreamEvent) -> Iterator[Payload]:
+        """Chunks for `ev` that go out before its finish is checked for an error."""
+
+    def after_finish(self, ev: StreamEvent) -> Iterator[Payload]:
+        """Chunks for `ev` once its finish (if any) was no error."""
+        return iter(())
+
+    def usage(self, generation: Generation) -> Payload:
+        """The usage object of the whole answer and of the stream's usage chunk."""
+        return generation_usage(self.call.num_prompt_tokens, generation)
+
+    @abstractmethod
+    def usage_chunk(self, generation: Generation) -> Payload:
+        """The stream's include_usage chunk."""
+
+    @abstractmethod
+    def whole(self, results: list[ChoiceResult], usage_obj: Payload) -> Payload:
+        """The non-streamed answer."""
+
+
+async def run_call(
+    request: Request,
+    principal: Principal,
+    gw: Gateway,
+    body: BodyT,
+    build: Callable[[BodyT, Any, Principal, Gateway, str], tuple[Call, ServedModel]],
+    compiles: Callable[[BodyT], bool],
+    answer: Callable[[BodyT, Call, ServedModel], CallAnswer],
+) -> Response:
+    """Build the call for `body` (off the loop where `compiles`), submit it, answer it."""
+    cid = call_id(request)
+    call, model = await build_off_loop_if_large(
+        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
+    )
+    out = answer(body, call, model)
+    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
+    out.begin(generation)
+    if out.stream:
+        return SSEResponse(_stream(generation, out, gw.sse_ping_s))
+    results = await collect_answer(request, generation)
+    if results is None:
+        return Response(status_code=499)
+    return JSONResponse(out.whole(results, out.usage(generation)))
+
+
+async def _stream(generation: Generation, out: CallAnswer, ping_s: float) -> AsyncIterator[str]:
+    try:
+        for payload in out.opening():
+            yield sse_data(payload)
+        async for ev in pump(generation, ping_s):
+            if ev is None:
+                yield PING
+                continue
+            for payload in out.before_finish(ev):
+                yield sse_data(payload)
+            if ev.finish_reason is not None:
+                error = error_for_finish(ev.finish_reason, ev.error)
+                if error is not None:
+                    yield sse_data(error.body())
+                    yield DONE
+                    return
+            for payload in out.after_finish(ev):
+                yield sse_data(payload)
+        if out.include_usage:
+            yield sse_data(out.usage_chunk(generation))
+        yield DONE
+    finally:
+        generation.abandon()
