@@ -11,8 +11,9 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -20,11 +21,13 @@ import pytest
 
 from benchmarks.faults_infra import Broker, TcpProxy
 from sluice.api.app import create_app
+from sluice.bus.base import Consumer
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 from sluice.bus.topics import Lane, TopicLayout, request_topic
 from sluice.tansu import free_port
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -75,16 +78,35 @@ def test_chat_stream_and_cancel_over_kafka(kafka_bus: KafkaEventBus) -> None:
         worker.stop()
 
 
+class GatewayConsumersSeen:
+    """The bus, keeping the gateway's reply consumers it makes: a test sees one lose its
+    group (its assignment empties when its session times out)."""
+
+    def __init__(self, bus: KafkaEventBus) -> None:
+        self.bus = bus
+        self.gateway_consumers: list[Consumer] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bus, name)
+
+    def consumer(self, group_id: str, topics: Sequence[str], **kwargs: Any) -> Consumer:
+        consumer = self.bus.consumer(group_id, topics, **kwargs)
+        if group_id.startswith("gateway-"):
+            self.gateway_consumers.append(consumer)
+        return consumer
+
+
 def test_a_stream_survives_a_broker_outage_longer_than_the_session_timeout(
     tmp_path: Path,
 ) -> None:
-    """Every client reaches the broker through a proxy that is cut for longer than a
-    group session lasts: the gateway's reply consumer loses its group and rejoins, and
-    the stream still gets every token, none twice."""
+    """Every client reaches the broker through a proxy that is cut until the gateway's
+    reply consumer has lost its group (its session timed out): it rejoins, and the
+    stream still gets every token, none twice."""
     kafka_port = free_port()
     broker = Broker(kafka_port, tmp_path / "tansu.log").start()
     proxy = TcpProxy(broker.port, port=kafka_port)
-    bus = KafkaEventBus(KafkaConfig(bootstrap=f"127.0.0.1:{kafka_port}", client_id="outage"))
+    kafka = KafkaEventBus(KafkaConfig(bootstrap=f"127.0.0.1:{kafka_port}", client_id="outage"))
+    bus = GatewayConsumersSeen(kafka)
     bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
     reply = "".join(f"{i:04d} " for i in range(300))  # 1,500 tokens of the byte tokenizer
     worker = FakeEngineWorker(bus, reply=reply, step_s=0.01, group_id="fake-engine-outage")
@@ -105,7 +127,12 @@ def test_a_stream_survives_a_broker_outage_longer_than_the_session_timeout(
                         text += chunk["choices"][0]["text"]
                         if len(text) >= 100 and proxy.port == kafka_port:
                             proxy.cut()
-                            time.sleep(9)  # the session timeout is 6 s
+                            [reply_consumer] = bus.gateway_consumers
+                            wait_until(
+                                lambda: not reply_consumer.assignment(),  # noqa: B023
+                                60,
+                                "the gateway's reply consumer to lose its group",
+                            )
                             proxy.restore()
                             kafka_port = -1  # once
             assert text == reply
