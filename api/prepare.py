@@ -252,9 +252,18 @@ def logit_bias(model: ServedModel, bias: dict[str, float] | None) -> dict[int, f
     return out
 
 
-def penalties(body: Any, model: ServedModel) -> dict[str, Any]:
-    """The penalty and bias fields of a chat or completions body, as SamplingSpec's."""
+def sampling_fields(body: Any, model: ServedModel) -> dict[str, Any]:
+    """The SamplingSpec fields a chat and a completions body give alike (the defaults
+    for what the body leaves out included); each route adds its token counts."""
     return {
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": max(0, body.top_k or 0),
+        "seed": body.seed,
+        "min_tokens": body.min_tokens,
+        "stop": stop_list(body.stop),
+        "stop_token_ids": body.stop_token_ids or [],
+        "ignore_eos": body.ignore_eos,
         "frequency_penalty": body.frequency_penalty or 0.0,
         "presence_penalty": body.presence_penalty or 0.0,
         "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,

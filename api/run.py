@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from sluice.api.auth import Principal
-from sluice.api.deps import Gateway, build_off_loop_if_large, call_id
+from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
 from sluice.api.errors import error_for_finish
 from sluice.api.formatting import generation_usage
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
@@ -78,16 +79,33 @@ class CallAnswer(ABC):
         """The non-streamed answer."""
 
 
-async def run_call(
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a call: the HTTP request, its screened principal, and the gateway."""
+
+    request: Request
+    principal: Principal
+    gw: Gateway
+
+
+def caller(
     request: Request,
-    principal: Principal,
-    gw: Gateway,
+    principal: Principal = Depends(screened_principal),
+    gw: Gateway = Depends(gateway),
+) -> Caller:
+    """A generation route's dependency: screened before its body is validated."""
+    return Caller(request, principal, gw)
+
+
+async def run_call(
+    who: Caller,
     body: BodyT,
     build: Callable[[BodyT, Any, Principal, Gateway, str], tuple[Call, ServedModel]],
     compiles: Callable[[BodyT], bool],
     answer: Callable[[BodyT, Call, ServedModel], CallAnswer],
 ) -> Response:
     """Build the call for `body` (off the loop where `compiles`), submit it, answer it."""
+    request, principal, gw = who.request, who.principal, who.gw
     cid = call_id(request)
     call, model = await build_off_loop_if_large(
         request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)

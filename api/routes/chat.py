@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from sluice.api import output, prepare, structured, tools
 from sluice.api.auth import Principal
-from sluice.api.deps import Gateway, gateway, screened_principal
+from sluice.api.deps import Gateway
 from sluice.api.errors import InvalidRequest
 from sluice.api.formatting import ChatFormat, with_reasoning_tokens
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.output import ChoiceReader, OutputPlan, reasoning_tokens
 from sluice.api.prepare import Call
 from sluice.api.reasoning import CLOSE
-from sluice.api.run import CallAnswer, run_call
+from sluice.api.run import CallAnswer, Caller, caller, run_call
 from sluice.api.schemas import ChatCompletionRequest
 from sluice.api.served import ServedModel
 from sluice.api.tools import ToolPlan
@@ -36,19 +36,11 @@ def _sampling(
     if max_tokens is None:
         max_tokens = max(1, model.max_model_len - prompt_len)
     return SamplingSpec(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        seed=body.seed,
         max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        stop=prepare.stop_list(body.stop),
-        stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
         structured=spec,
-        **prepare.penalties(body, model),
+        **prepare.sampling_fields(body, model),
     )
 
 
@@ -142,12 +134,9 @@ def build(
 
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(
-    body: ChatCompletionRequest,
-    request: Request,
-    principal: Principal = Depends(screened_principal),
-    gw: Gateway = Depends(gateway),
+    body: ChatCompletionRequest, who: Caller = Depends(caller)
 ) -> Response | dict[str, Any]:
-    return await run_call(request, principal, gw, body, build, compiles, _ChatAnswer)
+    return await run_call(who, body, build, compiles, _ChatAnswer)
 
 
 class _ChatAnswer(CallAnswer):

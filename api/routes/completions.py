@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from sluice.api import prepare, structured
 from sluice.api.auth import Principal
-from sluice.api.deps import Gateway, gateway, screened_principal
+from sluice.api.deps import Gateway
 from sluice.api.formatting import CompletionFormat, EchoedPrompt
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.prepare import Call
-from sluice.api.run import CallAnswer, run_call
+from sluice.api.run import CallAnswer, Caller, caller, run_call
 from sluice.api.schemas import CompletionRequest
 from sluice.api.served import ServedModel
 from sluice.bus.messages import SamplingSpec
@@ -40,19 +40,11 @@ def build(
     for prompt_ids in prompts:
         prepare.check_prompt(model, prompt_ids, max_tokens, "prompt")
     sampling = SamplingSpec(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        seed=body.seed,
         max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        stop=prepare.stop_list(body.stop),
-        stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs(body),
         structured=spec,
-        **prepare.penalties(body, model),
+        **prepare.sampling_fields(body, model),
     )
     call = gw.call(
         headers,
@@ -107,12 +99,9 @@ def compiles(body: CompletionRequest) -> bool:
 
 @router.post("/completions", response_model=None)
 async def create_completion(
-    body: CompletionRequest,
-    request: Request,
-    principal: Principal = Depends(screened_principal),
-    gw: Gateway = Depends(gateway),
+    body: CompletionRequest, who: Caller = Depends(caller)
 ) -> Response | dict[str, Any]:
-    return await run_call(request, principal, gw, body, build, compiles, _CompletionAnswer)
+    return await run_call(who, body, build, compiles, _CompletionAnswer)
 
 
 class _CompletionAnswer(CallAnswer):
