@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from typing import Any
 
 import openai
@@ -12,6 +11,7 @@ from openai.types import Batch
 
 from tests.e2e.procs import API_KEY
 from tests.e2e.sdk_checks import MODEL
+from tests.waiting import wait_until
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -47,25 +47,24 @@ def submit(client: openai.OpenAI, content: bytes, endpoint: str = "/v1/chat/comp
 
 
 def wait(client: openai.OpenAI, batch_id: str, timeout_s: float = 180.0) -> Batch:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def ended() -> Batch | None:
         batch = client.batches.retrieve(batch_id)
-        if batch.status in TERMINAL:
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
-        time.sleep(0.3)
+        return batch if batch.status in TERMINAL else None
+
+    return wait_until(ended, timeout_s, f"batch {batch_id} to end", interval_s=0.3)
 
 
 def wait_for_progress(client: openai.OpenAI, batch_id: str, done: int) -> Batch:
     """Until at least `done` lines finished (or the batch ended)."""
-    deadline = time.monotonic() + 120
-    while True:
+
+    def progressed() -> Batch | None:
         batch = client.batches.retrieve(batch_id)
         counts = batch.request_counts
         if batch.status in TERMINAL or (counts and counts.completed + counts.failed >= done):
             return batch
-        assert time.monotonic() < deadline, f"no progress: {batch}"
-        time.sleep(0.1)
+        return None
+
+    return wait_until(progressed, 120, f"{done} lines of batch {batch_id}", interval_s=0.1)
 
 
 def results(

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from sluice.tansu import free_port
+from tests.waiting import wait_until
 
 API_KEY = "sk-e2e-key"
 
@@ -56,18 +56,20 @@ class SluiceProcess:
 
 def wait_ready(base_url: str, proc: SluiceProcess, timeout_s: float = 180.0) -> None:
     """Poll /readyz until 200; fail with the process log if it dies or never gets there."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         assert proc.proc is not None
         if proc.proc.poll() is not None:
             raise AssertionError(f"sluice exited with {proc.proc.returncode}:\n{proc.output()}")
         try:
-            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"not ready after {timeout_s:.0f}s:\n{proc.output()[-5000:]}")
+            return False
+
+    try:
+        wait_until(ready, timeout_s, "/readyz", interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{proc.output()[-5000:]}") from None
 
 
 def serving_args(command: str, port: int, data_dir: Path) -> list[str]:

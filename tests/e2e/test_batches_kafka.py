@@ -40,6 +40,7 @@ from tests.e2e.batch_checks import (
 )
 from tests.e2e.procs import SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -135,18 +136,21 @@ def fleet(
 
 def _wait_for_workers(fleet: Fleet) -> None:
     """Both engine workers answer, and the batches worker and beat run."""
-    deadline = time.monotonic() + 120
     with fleet.client() as client:
-        while time.monotonic() < deadline:
+
+        def up() -> bool:
             with contextlib.suppress(openai.APIError):
                 client.chat.completions.create(
                     model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2
                 )
                 running = [fleet.pids(p) for p in (ENGINE_WORKER, BATCHES_WORKER, "batches-beat")]
-                if [len(p) for p in running] == [2, 1, 1]:
-                    return
-            time.sleep(0.5)
-    raise AssertionError(f"the workers never came up:\n{fleet.proc.output()[-4000:]}")
+                return [len(p) for p in running] == [2, 1, 1]
+            return False
+
+        try:
+            wait_until(up, 120, "the workers to come up", interval_s=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{fleet.proc.output()[-4000:]}") from None
 
 
 def test_each_line_equals_its_request_sent_alone(fleet: Fleet) -> None:
@@ -232,12 +236,14 @@ def test_kill_9_of_the_batches_worker_and_an_engine_worker_mid_batch(fleet: Flee
     assert resumed, (
         f"no line was resumed (killed at {before}, pids {batches_worker}, {engine_worker})"
     )
-    deadline = time.monotonic() + 60
-    while True:
-        rows = _ledger(fleet.db_url, batch.id)
-        if {(r, a) for r, a, _ in rows} == engine_keys or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    with contextlib.suppress(AssertionError):  # the asserts below say what differs
+        wait_until(
+            lambda: {(r, a) for r, a, _ in _ledger(fleet.db_url, batch.id)} == engine_keys,
+            60,
+            "the ledger",
+            interval_s=0.5,
+        )
+    rows = _ledger(fleet.db_url, batch.id)
     assert len(rows) == len({(r, a) for r, a, _ in rows})
     assert {(r, a) for r, a, _ in rows} == engine_keys
     billed: dict[str, int] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from tests.e2e.batch_checks import (
     wait_for_progress,
 )
 from tests.e2e.procs import serving
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -185,18 +187,18 @@ def _ledger_totals(data: Path, batch_id: str, expected: tuple[int, int]) -> tupl
     """Σ (prompt, completion) of the batch's ledger rows, once the billing consumer has
     caught up with `expected` (or 20 s passed)."""
     import sqlite3
-    import time
 
     query = "SELECT SUM(prompt_tokens), SUM(completion_tokens) FROM usage_ledger "
     query += "WHERE batch_id = ?"
-    deadline = time.monotonic() + 20
-    while True:
+
+    def totals() -> tuple[int, int]:
         with sqlite3.connect(data / "sluice.db") as db:
             prompt, completion = db.execute(query, (batch_id,)).fetchone()
-        totals = (prompt or 0, completion or 0)
-        if totals == expected or time.monotonic() > deadline:
-            return totals
-        time.sleep(0.2)
+        return (prompt or 0, completion or 0)
+
+    with contextlib.suppress(AssertionError):  # the caller's assert says what differs
+        wait_until(lambda: totals() == expected, 20, "the ledger", interval_s=0.2)
+    return totals()
 
 
 def test_kill_9_of_serve_mid_batch_then_restart_completes(tmp_path: Path) -> None:
@@ -221,7 +223,6 @@ def test_kill_9_of_serve_mid_batch_then_restart_completes(tmp_path: Path) -> Non
 
 def test_ledger_rows_carry_the_batch_at_its_discount(tmp_path: Path) -> None:
     import sqlite3
-    import time
 
     data = tmp_path / "data"
     subprocess.run(
@@ -238,13 +239,14 @@ def test_ledger_rows_carry_the_batch_at_its_discount(tmp_path: Path) -> None:
         assert batch.status == "completed"
         query = "SELECT request_id, prompt_tokens, completion_tokens, cost_picos, lane "
         query += "FROM usage_ledger WHERE batch_id = ?"
-        deadline = time.monotonic() + 15
-        while True:
+
+        def ledger() -> list[tuple[str, int, int, int, str]]:
             with sqlite3.connect(data / "sluice.db") as db:
-                rows = db.execute(query, (batch.id,)).fetchall()
-            if len(rows) == len(lines) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+                return db.execute(query, (batch.id,)).fetchall()
+
+        with contextlib.suppress(AssertionError):  # the asserts below say what differs
+            wait_until(lambda: len(ledger()) == len(lines), 15, "the ledger", interval_s=0.2)
+        rows = ledger()
     assert len({r[0] for r in rows}) == len(rows) == len(lines)
     for _, prompt, completion, cost, lane in rows:
         assert lane == "batch" and completion == 8

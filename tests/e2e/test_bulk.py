@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.batch_checks import chat_line, jsonl
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +76,9 @@ def test_bulk_writes_every_line_once_and_resumes_after_a_kill(
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its engine process goes down with it
     )
-    deadline = time.monotonic() + 90
-    while complete_lines(second) < 5 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(
+        lambda: complete_lines(second) >= 5 or proc.poll() is not None, 90, "5 lines written"
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     log.close()

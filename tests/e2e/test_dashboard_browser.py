@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,10 +78,7 @@ def test_the_page_renders_tenants_and_pipeline_numbers(served: str, tmp_path: Pa
         )
         assert r.status_code == 200, r.text
     # the billing consumer writes the ledger after the replies: wait for its rows
-    deadline = time.monotonic() + 30
-    while billed_tokens(served) == 0:
-        assert time.monotonic() < deadline, "no usage reached the ledger"
-        time.sleep(0.2)
+    wait_until(lambda: billed_tokens(served) > 0, 30, "usage in the ledger", interval_s=0.2)
 
     url = f"{served}/dashboard#key={ADMIN_KEY}"
     shot = tmp_path / "shot.png"

@@ -11,7 +11,6 @@ import gzip
 import os
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +32,7 @@ from sluice.tansu import tansu_binary
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving, serving_args, wait_ready
 from tests.e2e.test_serve_engine_restart import engine_pids
 from tests.services import service_missing
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +88,7 @@ class Receiver:
             return [s for _, s in self.spans if s.name == name]
 
     def wait(self, name: str, count: int, timeout_s: float = 30) -> list[Span]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.named(name)) < count:
-            assert time.monotonic() < deadline, f"{name}: {[s.name for _, s in self.spans]}"
-            time.sleep(0.1)
+        wait_until(lambda: len(self.named(name)) >= count, timeout_s, f"{count} {name} spans")
         return self.named(name)
 
 
@@ -198,10 +195,7 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
         found = receiver.named(f"text_completion {MODEL}")
         return [s for s in found if attrs(s)["gen_ai.response.id"] == request_id]
 
-    deadline = time.monotonic() + 30
-    while len(attempts()) < 2:
-        assert time.monotonic() < deadline, [attrs(s) for s in attempts()]
-        time.sleep(0.1)
+    wait_until(lambda: len(attempts()) >= 2, 30, "both attempts' spans")
     by_attempt = {attrs(s)["sluice.attempt"]: s for s in attempts()}
     assert sorted(by_attempt) == [0, 1]
     assert attrs(by_attempt[0]).get("sluice.estimated") is True  # its engine died under it
@@ -212,9 +206,7 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
 
     # the gateway's span ends with the response and goes out in the exporter's next batch
     # (up to 5 s later), possibly after the engine's spans
-    while not servers():
-        assert time.monotonic() < deadline, "no server span"
-        time.sleep(0.1)
+    wait_until(servers, 30, "the server span")
     [server] = servers()
     assert by_attempt[0].trace_id == by_attempt[1].trace_id == server.trace_id
     processes = [
@@ -253,26 +245,29 @@ def test_sluice_up_exports_gateway_and_tracing_worker_spans_in_one_trace(
     try:
         wait_ready(base, proc)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=30)
-        deadline = time.monotonic() + 120
         with client:
-            while True:  # the engine worker may still be joining its group
+
+            def answered() -> Any:
                 try:
-                    raw = client.chat.completions.with_raw_response.create(
+                    return client.chat.completions.with_raw_response.create(
                         model=MODEL,
                         messages=[{"role": "user", "content": "Hi"}],
                         max_tokens=4,
                         temperature=0,
                     )
-                    break
                 except openai.APIError:
-                    assert time.monotonic() < deadline, proc.output()[-3000:]
-                    time.sleep(1)
+                    return None
+
+            # the engine worker may still be joining its group
+            raw = wait_until(answered, 120, "an answer", interval_s=1)
         request_id = raw.headers["x-request-id"]
         completion_tokens = raw.parse().usage.completion_tokens  # type: ignore[union-attr]
-        deadline = time.monotonic() + 60
-        while not [s for s in receiver.named(f"chat {MODEL}") if _for(s, request_id)]:
-            assert time.monotonic() < deadline, proc.output()[-3000:]
-            time.sleep(0.2)
+        wait_until(
+            lambda: [s for s in receiver.named(f"chat {MODEL}") if _for(s, request_id)],
+            60,
+            "the chat span",
+            interval_s=0.2,
+        )
     finally:
         code = proc.stop()
         receiver.server.shutdown()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from sluice.settings import BusSettings, load_settings
 from sluice.tansu import tansu_binary
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -62,16 +62,18 @@ def _chat(client: httpx.Client) -> httpx.Response:
 
 
 def _wait_for_engine(base: str, proc: SluiceProcess) -> None:
-    deadline = time.monotonic() + 180
     with httpx.Client(base_url=base, headers=_auth(), timeout=60) as client:
-        while time.monotonic() < deadline:
+
+        def answered() -> bool:
             try:
-                if _chat(client).status_code == 200:
-                    return
+                return _chat(client).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(1)
-    raise AssertionError(f"the engine worker never answered:\n{proc.output()[-4000:]}")
+                return False
+
+        try:
+            wait_until(answered, 180, "the engine worker to answer", interval_s=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{proc.output()[-4000:]}") from None
 
 
 def _auth() -> dict[str, str]:
@@ -104,16 +106,15 @@ def prometheus(up: tuple[str, Path], tmp_path: Path) -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def ready() -> bool:
             assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
             try:
-                if httpx.get(f"{base}/-/ready", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "Prometheus never got ready"
-            time.sleep(0.2)
+                return False
+
+        wait_until(ready, 60, "Prometheus to get ready", interval_s=0.2)
         yield base
     finally:
         proc.terminate()
@@ -157,21 +158,23 @@ def test_prometheus_scrapes_every_process_and_counts_each_request(
     targets = [t for e in entries for t in e["targets"]]
 
     # every child answers on its port, as Prometheus sees it
-    deadline = time.monotonic() + 60
-    while _scalar(prometheus, 'count(up{job="sluice"} == 1)') != len(targets):
-        assert time.monotonic() < deadline, _query(prometheus, "up")
-        time.sleep(0.5)
+    wait_until(
+        lambda: _scalar(prometheus, 'count(up{job="sluice"} == 1)') == len(targets),
+        60,
+        "every target up",
+        interval_s=0.5,
+    )
 
     before = _direct_sum(targets, TTFT_COUNT)
     with httpx.Client(base_url=base, headers=_auth(), timeout=120) as client:
         for _ in range(N):
             assert _chat(client).status_code == 200
-    deadline = time.monotonic() + 60
-    seen = None
-    while seen != before + N:
-        assert time.monotonic() < deadline, f"Prometheus saw {seen}, want {before + N}"
-        time.sleep(0.5)
-        seen = _scalar(prometheus, f"sum({TTFT_COUNT})")
+    wait_until(
+        lambda: _scalar(prometheus, f"sum({TTFT_COUNT})") == before + N,
+        60,
+        f"Prometheus to count {before + N} first tokens",
+        interval_s=0.5,
+    )
 
     # the pipeline's own series come from their processes
     lag = _query(prometheus, 'sluice_consumer_lag_records{group="billing"}')

@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.sluice_serve import engine_pids
 from tests.e2e.procs import API_KEY, SluiceProcess, serving, wait_ready
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +72,13 @@ def test_a_killed_engine_restarts_and_every_stream_completes(
         streams = [Streamer(client, p) for p in PROMPTS]
         for s in streams:
             s.start()
-        deadline = time.monotonic() + 60
-        while not all(s.chunks >= 1 for s in streams):
-            assert time.monotonic() < deadline, "the streams did not start"
+
+        def started() -> bool:
             assert not any(s.finish for s in streams), "a stream ended before the kill"
-            time.sleep(0.005)
+            return all(s.chunks >= 1 for s in streams)
+
+        deadline = time.monotonic() + 60
+        wait_until(started, 60, "every stream's first chunk", interval_s=0.005)
         for pid in first:  # every stream's engine
             os.kill(pid, signal.SIGKILL)
         statuses = [httpx.get(f"{base}/readyz", timeout=5).status_code]

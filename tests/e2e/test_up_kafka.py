@@ -30,6 +30,7 @@ from sluice.tansu import tansu_binary
 from tests.e2e import sdk_checks
 from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
 from tests.services import service_missing
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -94,16 +95,19 @@ def stack(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 def _wait_for_workers(stack: Stack) -> None:
     """Ready once a request goes through (both workers have joined the group by then)."""
-    deadline = time.monotonic() + 120
     with stack.client() as client:
-        while time.monotonic() < deadline:
+
+        def answered() -> bool:
             try:
                 sdk_checks.check_chat(client)
-                if len(stack.worker_pids()) == 2:
-                    return
             except openai.APIError:
-                time.sleep(1)
-    raise AssertionError(f"workers never answered:\n{stack.proc.output()[-4000:]}")
+                return False
+            return len(stack.worker_pids()) == 2
+
+        try:
+            wait_until(answered, 120, "both workers", interval_s=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{stack.proc.output()[-4000:]}") from None
 
 
 def test_sdk_checks_through_kafka(stack: Stack) -> None:
@@ -243,9 +247,7 @@ def _run_streams(
         for thread in threads:
             thread.start()
         if kill_at_chunks is not None:
-            deadline = time.monotonic() + 120
-            while len(chunks) < kill_at_chunks and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: len(chunks) >= kill_at_chunks, 120, f"{kill_at_chunks} chunks")
             victim = busiest(stack.worker_pids())
             os.kill(victim, signal.SIGKILL)
         for thread in threads:
