@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from sluice.engine.backends.base import (
@@ -57,7 +57,9 @@ class SimEngineBackend:
     (default: the preset's). tokenizer: the served model's, for the text of the emitted
     tokens and the ids `submit` accepts (`vocab_size`, `eos_token_ids` otherwise).
     eos_probability: the chance a token is EOS once min_tokens are out (never with
-    ignore_eos); 0 runs every request to max_tokens.
+    ignore_eos); 0 runs every request to max_tokens. clock, sleep: the loop's time and
+    how a step waits out its modelled time (the event loop's by default); a test injects
+    a virtual pair to see the modelled times without waiting them.
     """
 
     def __init__(
@@ -69,7 +71,11 @@ class SimEngineBackend:
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         eos_probability: float = 0.0,
+        clock: Callable[[], float] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        self._clock = clock
+        self._sleep = sleep
         if isinstance(preset, str):
             if preset not in SIM_PRESETS:
                 raise ValueError(f"unknown sim preset {preset!r}; one of {sorted(SIM_PRESETS)}")
@@ -208,7 +214,8 @@ class SimEngineBackend:
         loop = asyncio.get_running_loop()
         wake = self._wake
         assert wake is not None
-        due = loop.time()  # when the latest step ends on the modelled GPU
+        clock = self._clock or loop.time
+        due = clock()  # when the latest step ends on the modelled GPU
         try:
             while True:
                 with self._lock:
@@ -222,15 +229,15 @@ class SimEngineBackend:
                 if idle:
                     wake.clear()
                     await wake.wait()
-                    due = loop.time()
+                    due = clock()
                     continue
                 batch = self._apply(commands)
                 batch.extend(core.expire(time.monotonic()))
                 step = core.schedule()
                 if step.scheduled:
-                    now = loop.time()
+                    now = clock()
                     due = max(due, now - _MAX_CATCH_UP_S) + step.time_s
-                    await asyncio.sleep(due - now)
+                    await self._sleep(due - now)
                     if self._closed:
                         return  # shut down from the loop while this step ran
                     batch.extend(core.finish_step(step))
