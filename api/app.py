@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import FastAPI
 
@@ -31,10 +32,52 @@ from sluice.api.service import GatewayService
 from sluice.api.tenancy import GatewayAdmission, TenantAuthenticator
 from sluice.billing.admission import AdmissionService
 from sluice.bus.base import EventBus
-from sluice.settings import GatewaySettings
 
 
-def request_limits(settings: GatewaySettings) -> RequestLimits:
+class GatewayConfig(Protocol):
+    """What the app reads of the gateway's settings (`sluice.settings.GatewaySettings`).
+
+    A protocol rather than the settings class: the composition root imports the app, so
+    the app importing the root's settings would close a cycle.
+    """
+
+    @property
+    def gateway_id(self) -> str | None: ...
+    @property
+    def api_keys(self) -> Sequence[str]: ...
+    @property
+    def admin_key(self) -> str | None: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def publish_timeout_s(self) -> float: ...
+    @property
+    def deadline_grace_s(self) -> float: ...
+    @property
+    def heartbeat_s(self) -> float: ...
+    @property
+    def sse_ping_s(self) -> float: ...
+    @property
+    def max_n(self) -> int: ...
+    @property
+    def max_choices(self) -> int: ...
+    @property
+    def max_logprobs(self) -> int: ...
+    @property
+    def max_messages(self) -> int: ...
+    @property
+    def max_content_parts(self) -> int: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def ws_max_pending(self) -> int: ...
+    @property
+    def ws_allowed_origins(self) -> Sequence[str]: ...
+    @property
+    def trace_content(self) -> bool: ...
+
+
+def request_limits(settings: GatewayConfig) -> RequestLimits:
     """The limits on one request, for the routes and for batch lines alike."""
     return RequestLimits(
         request_timeout_s=settings.request_timeout_s,
@@ -45,7 +88,7 @@ def request_limits(settings: GatewaySettings) -> RequestLimits:
 
 
 def create_app(
-    settings: GatewaySettings,
+    settings: GatewayConfig,
     bus: EventBus,
     models: Sequence[ServedModel],
     authenticator: Authenticator | None = None,

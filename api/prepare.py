@@ -37,8 +37,8 @@ _TIERS: dict[str | None, tuple[Lane, str]] = {
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """The gateway's limits on one request (from `GatewaySettings`); a tenant's plan limits
-    are `storage.tenants.PlanLimits`."""
+    """The gateway's limits on one request, each default written here once (the gateway's
+    settings take theirs from it); a tenant's plan limits are `storage.tenants.PlanLimits`."""
 
     request_timeout_s: float = 600.0
     max_n: int = 8

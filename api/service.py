@@ -45,6 +45,11 @@ PUBLISH_REPORT_GRACE_S = 2.0  # how long past the publish timeout the bus may ta
 REPLY_COMMIT_INTERVAL_S = 0.5  # a rejoining reply consumer re-reads at most this much
 
 
+# seconds a request may wait for the bus to take it, and past its deadline for the engine
+PUBLISH_TIMEOUT_S = 10.0
+DEADLINE_GRACE_S = 5.0
+
+
 class GatewayService:
     """Owns the reply consumer and the live requests of one gateway instance."""
 
@@ -54,9 +59,9 @@ class GatewayService:
         *,
         gateway_id: str | None = None,
         reply_partitions: int = 1,
-        publish_timeout_s: float = 10.0,
+        publish_timeout_s: float = PUBLISH_TIMEOUT_S,
         poll_timeout_s: float = 0.1,
-        deadline_grace_s: float = 5.0,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
         heartbeat_s: float = 0.0,
     ) -> None:
         self.bus = bus

@@ -4,8 +4,8 @@ One class per process kind, composed of shared parts (docs/architecture.md §3).
 start-up with a message that names the variable (or the CLI flag that set the value), the
 value and the fix. This module, `settings_model` and `settings_fields` are the only readers
 of `SLUICE_*`. A setting that fills a field of a config dataclass (`EngineConfig`,
-`EngineOptions`, `EngineWorkerConfig`, `TopicLayout`) takes its default from it, where each
-is written once (`sluice.settings_fields.from_config`). Every field has a description:
+`EngineOptions`, `EngineWorkerConfig`, `TopicLayout`, `RequestLimits`) takes its default
+from it, where each is written once (`sluice.settings_fields.from_config`). Every field has a description:
 `docs/settings.md` and `sluice config` are generated from them (`sluice.settings_doc`).
 """
 
@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import NoDecode
 
+from sluice.api.prepare import RequestLimits
+from sluice.api.service import DEADLINE_GRACE_S, PUBLISH_TIMEOUT_S
 from sluice.bus.topics import Lane, TopicLayout
 from sluice.consumers.worker_config import EngineWorkerConfig
 from sluice.settings_fields import (
@@ -379,16 +381,19 @@ class GatewaySettings(Settings):
         ge=1,
         description="most content parts in one message; more is 400",
     )
-    request_timeout_s: float = Field(
-        default=600.0,
+    request_timeout_s: float = from_config(
+        RequestLimits,
+        "request_timeout_s",
         gt=0,
         description="seconds a request may take when it sends no x-sluice-timeout-ms header",
     )
     deadline_grace_s: float = Field(
-        default=5.0, ge=0, description="how long past a deadline to wait for the engine's answer"
+        default=DEADLINE_GRACE_S,
+        ge=0,
+        description="how long past a deadline to wait for the engine's answer",
     )
     publish_timeout_s: float = Field(
-        default=10.0,
+        default=PUBLISH_TIMEOUT_S,
         gt=0,
         description="seconds a request may wait for the bus to take it; past that it is"
         " answered 503 and dropped, never run or billed later",
@@ -399,17 +404,23 @@ class GatewaySettings(Settings):
         description="a stream with nothing to send for this many seconds gets an SSE comment,"
         " so that proxies keep it open",
     )
-    max_n: int = Field(
-        default=8, ge=1, le=128, description="largest `n` (choices per prompt); more is 400"
+    max_n: int = from_config(
+        RequestLimits,
+        "max_n",
+        ge=1,
+        le=128,
+        description="largest `n` (choices per prompt); more is 400",
     )
-    max_choices: int = Field(
-        default=64,
+    max_choices: int = from_config(
+        RequestLimits,
+        "max_choices",
         ge=1,
         le=4096,
         description="most choices in one request (prompts x n); more is 400",
     )
-    max_logprobs: int = Field(
-        default=20,
+    max_logprobs: int = from_config(
+        RequestLimits,
+        "max_logprobs",
         ge=0,
         le=100,
         description="largest `logprobs` / `top_logprobs` a request may ask; more is 400",
