@@ -5,8 +5,9 @@ start-up with a message that names the variable (or the CLI flag that set the va
 value and the fix. This module, `settings_model` and `settings_fields` are the only readers
 of `SLUICE_*`. A setting that fills a field of a config dataclass (`EngineConfig`,
 `EngineOptions`, `EngineWorkerConfig`, `TopicLayout`, `RequestLimits`) takes its default
-from it, where each is written once (`sluice.settings_fields.from_config`). Every field has a description:
-`docs/settings.md` and `sluice config` are generated from them (`sluice.settings_doc`).
+from it, where each is written once (`sluice.settings_fields.from_config`). Every field
+has a description: `docs/settings.md` and `sluice config` are generated from them
+(`sluice.settings_doc`).
 """
 
 from __future__ import annotations
