@@ -3,7 +3,6 @@ out, low-watermark commits that a later member of the group honours."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -12,8 +11,9 @@ import pytest
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 from sluice.bus.topics import REQUEST_TOPICS, Lane
 from sluice.consumers.engine_worker import EngineWorkerConfig
-from tests.unit.consumers.engine_fakes import FakeEngineBackend, greedy_tokens
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.sim_engine import RecordingSimBackend, sim_reply
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def kafka_bus(dedicated_kafka: str) -> Iterator[KafkaEventBus]:
 def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus) -> None:
     group = f"engine-{uuid.uuid4().hex[:8]}"
     config = EngineWorkerConfig(group_id=group, poll_timeout_s=0.05, tick_s=0.01)
-    worker = WorkerThread(kafka_bus, FakeEngineBackend(step_s=0.005), config).start(30.0)
+    worker = WorkerThread(kafka_bus, RecordingSimBackend(step_s=0.005), config).start(30.0)
     client = Client(kafka_bus)
     run = uuid.uuid4().hex[:6]
     requests = [
@@ -43,7 +43,7 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
     worker.stop(timeout_s=10)
     for r in requests:
         stream = client.view.streams[r.request_id]
-        assert stream.token_ids == greedy_tokens(r.prompt_token_ids, 8)
+        assert stream.token_ids == sim_reply(r.prompt_token_ids, 8)[0]
         assert stream.num_terminal == 1
     mine = [u for u in client.usage if u.request_id in set(ids)]
     assert sorted(u.request_id for u in mine) == sorted(ids)
@@ -51,11 +51,17 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
     # a later member of the same group starts after the committed offsets: nothing of ours
     successor = kafka_bus.consumer(group, list(REQUEST_TOPICS))
     seen: list[str] = []
-    deadline, settled = time.monotonic() + 20, None
-    while time.monotonic() < deadline and (settled is None or time.monotonic() < settled):
-        seen += [rec.value.decode() for rec in successor.poll(0.2, 500)]
-        if settled is None and successor.assignment():
-            settled = time.monotonic() + 1.5  # fetched from the committed offsets by then
+    fence = f"fence-{run}"
+
+    def read() -> None:
+        seen.extend(r.value.decode() for r in successor.poll(0.2, 500))
+
+    wait_until(lambda: read() or successor.assignment(), 20, "the successor's assignment")
+    # a fence in every partition: whatever the group had left would come before it
+    fences = [(t, p) for t in REQUEST_TOPICS for p in range(kafka_bus.num_partitions(t))]
+    for topic, partition in fences:
+        kafka_bus.publish(topic, fence.encode(), partition=partition).result(30)
+    wait_until(lambda: read() or seen.count(fence) >= len(fences), 30, "every fence")
     successor.close()
     client.close()
-    assert not [v for v in seen if run in v], worker.worker.stats
+    assert not [v for v in seen if run in v and v != fence], worker.worker.stats

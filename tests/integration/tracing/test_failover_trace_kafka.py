@@ -21,8 +21,8 @@ from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.consumers.progress import MemoryProgressStore
 from sluice.consumers.tracing.handler import tracing_loop
 from sluice.tracing.spans import SendSpan, tracer
-from tests.unit.consumers.engine_fakes import FakeEngineBackend
 from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.sim_engine import RecordingSimBackend
 from tests.unit.tracing.memory_spans import parent_of, span_id, trace_id
 from tests.waiting import wait_until
 
@@ -50,7 +50,7 @@ def test_both_attempts_of_a_failover_share_the_trace(
     consumer.start()
     client = Client(kafka_bus)
     request = make_request(f"fo-{uuid.uuid4().hex[:6]}", prompt=[5, 6, 7], max_tokens=MAX_TOKENS)
-    a = WorkerThread(kafka_bus, FakeEngineBackend(step_s=0.02), config, store, "a").start(30)
+    a = WorkerThread(kafka_bus, RecordingSimBackend(step_s=0.02), config, store, "a").start(30)
     try:
         with tracer().start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER):
             topic = request_topic(request.lane)
@@ -67,7 +67,7 @@ def test_both_attempts_of_a_failover_share_the_trace(
 
         client.wait(lambda: streamed() >= 15, 30)
         a.abandon()  # kill -9: no terminal delta, no usage, no telemetry, no commit
-        b = WorkerThread(kafka_bus, FakeEngineBackend(step_s=0.002), config, store, "b")
+        b = WorkerThread(kafka_bus, RecordingSimBackend(step_s=0.002), config, store, "b")
         b.start(60)
         client.wait_finished([request.request_id], timeout_s=60)
         b.stop()

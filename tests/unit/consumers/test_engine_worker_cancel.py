@@ -97,7 +97,7 @@ def test_deadlines_expire_waiting_requests_unrun_and_running_ones_with_their_tok
     assert usage["buffered"].completion_tokens == usage["expired"].completion_tokens == 0
     assert submitted_ids(worker) == {"running", "filler"}
     generated = len(client.view.streams["running"].token_ids)
-    assert 5 < generated < 1000 and usage["running"].completion_tokens == generated
+    assert 0 < generated < 1000 and usage["running"].completion_tokens == generated
 
 
 def test_drain_finishes_or_aborts_in_flight_work_and_leaves_the_buffer_to_the_group() -> None:
