@@ -2,7 +2,8 @@
 
 The worker's tests run on the sim backend (`sim_engine.py`); this fake stays for those
 whose resumed request must continue exactly as the uninterrupted one (failover,
-restart), which the sim's reply, a function of the prompt, does not.
+restart), which the sim's reply, a function of the prompt, does not, and for the billing
+stack's gated steps (`GatedBackend`), which hold generation while aborts still end requests.
 
 `FakeEngineBackend` is a real implementation of the protocol on asyncio (no thread):
 every `step_s` it admits waiting requests up to `max_running`, ends aborted and expired
