@@ -24,10 +24,10 @@ from tests.unit.engine.backend_contract import (
     CHECKS,
     KILL_MESSAGE,
     ContractTarget,
-    _until,
     collect,
     greedy,
 )
+from tests.waiting import wait_until_async
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = Path(__file__).parent / "trtllm_standin"
@@ -218,7 +218,7 @@ def test_stats_follow_the_runtime_while_requests_run() -> None:
         backend.start()
         backend.submit(EngineRequest("a", [1, 2], greedy(200)))  # aborted long before the end
         backend.submit(EngineRequest("b", [1, 2], greedy(200)))
-        await _until(lambda: backend.stats().num_waiting == 1)
+        await wait_until_async(lambda: backend.stats().num_waiting == 1, 5.0, "one waiting")
         stats = backend.stats()
         assert stats.num_running == 1 and 0.0 < stats.kv_usage < 1.0
         assert stats.num_steps > 0 and stats.num_kv_blocks > 0
