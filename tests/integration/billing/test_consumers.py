@@ -23,7 +23,7 @@ from sluice.storage.quotas import Reservation
 from sluice.storage.tables import UsageEntry
 from sluice.storage.tenants import PlanLimits
 from tests.integration.billing.usage_data import make_usages
-from tests.integration.bus.drain import wait_until
+from tests.waiting import wait_until
 
 SETTLE_S = 60.0
 
