@@ -2,8 +2,9 @@
 
 On CPU the engine's step thread (and torch's threads under it) may need to own its cores:
 with everything else of the host free to run anywhere, a saturated engine thread spends
-part of its time runnable but waiting for its core. vLLM's CPU backend binds its OpenMP threads to cores for the same reason
-(`VLLM_CPU_OMP_THREADS_BIND`), leaving cores to the serving front end.
+part of its time runnable but waiting for its core. vLLM's CPU backend binds its OpenMP
+threads to cores for the same reason (`VLLM_CPU_OMP_THREADS_BIND`), leaving cores to the
+serving front end.
 
 Linux only (`os.sched_setaffinity`); elsewhere nothing is pinned.
 """

@@ -51,8 +51,9 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
 
     Which is faster depends on the CPU and the shape: on an AVX2-only CPU `F.linear` can
-    win small fp32 projections at few rows. So the plain weight is kept for the row buckets where `tune_row_buckets` measured `F.linear` faster
-    (`plan`), and dropped when there are none.
+    win small fp32 projections at few rows. So the plain weight is kept for the row buckets
+    where `tune_row_buckets` measured `F.linear` faster (`plan`), and dropped when there
+    are none.
 
     With `small_dtype` bf16 (a bf16 checkpoint) it also keeps the weight in bf16 for fp32
     inputs of at most `kernels.MAX_ROWS` rows (the fused decode path), which the bf16
