@@ -40,7 +40,7 @@ class EngineWorkerConfig:
     commit_interval_s: float = 0.2
     max_buffered_per_partition: int = 32
     # Lets the fair queue see each tenant's next requests while the engine is full (with
-    # 1, a heavy tenant took the slots through a ramp-up; benchmarks/RESULTS.md).
+    # 1, a heavy tenant takes the slots through a ramp-up).
     full_engine_lookahead: int = 8
     max_engine_waiting: int = 64
     # about two steps of the engine's default token budget (2,048): see
@@ -58,7 +58,7 @@ class EngineWorkerConfig:
     control_group_prefix: str = "engine-control"
     # The broker may hold the control consumer's empty fetches this long: cancels reach
     # the engine up to this much later than at the bus default (5 ms), and the broker
-    # answers 10x fewer fetches, each of which costs it CPU (benchmarks/RESULTS.md).
+    # answers 10x fewer fetches, each of which costs it CPU.
     # None: bus default.
     control_max_wait_ms: int | None = 50
     # A dead engine process is started again after `engine_restart_initial_s`, doubling

@@ -37,7 +37,8 @@ class EngineConfig:
     priority than others are in the engine (and for `priority_hold_s` after the last one
     left), the others get at most this many tokens per step, so the steps that serve the
     urgent requests stay short: an interactive request's TTFT is about two steps. -1 = no
-    cap. 8 (rather than 16) and a 0.5 s hold (rather than 2 s): benchmarks/RESULTS.md.
+    cap. 8 and a 0.5 s hold keep interactive TTFT low at little cost to the others'
+    throughput (`sluice bench serving` measures both).
     seed: the generator shared by requests without a `seed` of their own. None (the
     default) draws it from the OS once per engine, so no two engines (or restarts) sample
     alike; an int makes those draws reproducible (tests). A request's seed is its own.

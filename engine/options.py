@@ -40,21 +40,21 @@ class EngineOptions:
     torch_threads: int | None = None
     # torch's threads for a step of at least `prefill_min_tokens` tokens (on CPU): its
     # GEMMs are long enough that more threads pay for their barriers even when another
-    # process takes a core now and then, where short decode steps lose (benchmarks/
-    # RESULTS.md, Serving). None: `torch_threads` for every step.
+    # process takes a core now and then, where short decode steps lose. None:
+    # `torch_threads` for every step.
     prefill_threads: int | None = None
     prefill_min_tokens: int = 256
     # The engine thread's nice value, applied as it starts when torch computes on that
     # thread alone: a busy engine then yields its core to the threads that move requests
     # and tokens (the worker's loop, the Kafka clients), and takes every cycle they
-    # leave. None leaves its priority alone. (benchmarks/RESULTS.md: `bench serving`.)
+    # leave. None leaves its priority alone.
     thread_nice: int | None = 10
     # the cores of the engine's threads (its thread, or its whole process); None: where
     # it started (`engine.cpus`)
     cpus: frozenset[int] | None = None
     # The serving process's GIL switch interval: at CPython's 5 ms default an engine
-    # thread waits for the GIL behind the Kafka clients' threads at every step
-    # (benchmarks/RESULTS.md). None leaves the interpreter's setting.
+    # thread waits for the GIL behind the Kafka clients' threads at every step. None
+    # leaves the interpreter's setting.
     gil_switch_interval_s: float | None = 0.0005
 
 

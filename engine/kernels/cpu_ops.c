@@ -14,15 +14,14 @@
    M == 1 with K % 16 == 0 (every real model) takes the fast path: 16 weights per 256-bit
    load, widened by interleaving with zeros (one unpack per 8 weights instead of a widen
    and a shift), against a copy of x permuted to the same in-lane order, four rows at a
-   time with the next four rows prefetched. Measured on the 2-core AVX2 EPYC streaming
-   the bench model's 78 MB of projections: ~15-20 % faster than the generic path.
+   time with the next four rows prefetched: faster than the generic path at streaming a
+   model's projections from DRAM.
 
    With `round_x` (the model computes in bf16: its matmul inputs are bf16, as in torch's
    bf16 path) x is first rounded to bf16; on a CPU with AVX512-BF16 the dot products then
    run as VDPBF16PS on 32 weights (one cache line) per instruction, exact bf16 products
-   accumulated in fp32. Measured on the 2-core AVX-512 EPYC (Zen 4) streaming the bench
-   model's 78 MB from DRAM on 2 threads: 3.6 ms, as fast as oneDNN's prepacked bf16 GEMV
-   (3.5 ms) and 10 % faster than the widening path (4.05 ms). */
+   accumulated in fp32: as fast as oneDNN's prepacked bf16 GEMV, and faster than the
+   widening path (`sluice bench engine` measures both). */
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <math.h>
@@ -74,9 +73,8 @@ static int positions_ok(const int64_t *pos, int64_t M, int64_t positions) {
 /* ---- parallel_for: work sharing that never waits for a thread that has not started ----
 
    An OpenMP region ends in a barrier: when another process holds a core, every barrier
-   waits out a scheduler slice. Measured on the 2-core EPYC with a compiler running at
-   nice 19 on both cores: the bench model's 33 decode GEMVs took 205 ms on 2 OpenMP
-   threads against 7 ms on one. Here the caller and up to MAX_HELPERS persistent helper
+   waits out a scheduler slice, so a busy neighbour process can make a multi-threaded
+   decode step many times slower than a single-threaded one. Here the caller and up to MAX_HELPERS persistent helper
    threads claim chunks from one atomic ticket; the caller runs every chunk nobody else
    claimed and then waits only for chunks a helper is running (a few µs each). A helper
    that is not on a core claims nothing and costs nothing.
@@ -302,8 +300,8 @@ static inline void rows(const uint16_t *W, const float *x, const float *bias, fl
 #define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 /* One row of W at a time, its values in order: a single forward stream, which the
-   hardware prefetcher follows (four rows read side by side, 1 KB apart, ran at 8-11 GB/s
-   from DRAM on one Zen 4 core against 20: benchmarks/RESULTS.md); two accumulators per x
+   hardware prefetcher follows (rows read side by side, 1 KB apart, stream at about half
+   the rate from DRAM); two accumulators per x
    row halve the VDPBF16PS latency chain */
 DP_TARGET static inline void rows_dp(const uint16_t *W, const uint16_t *xb,
                                          const float *bias, float *y, int64_t n0, int64_t n1,
@@ -495,7 +493,7 @@ static void int8_chunk(void *ctx, int64_t c) {
 #define I8_ROWS(M, R) rows_i8(j->W, j->xq, j->Kp, j->xs, j->scale, j->bias, j->y, n0, n1, \
                               j->N, j->K, M, R, j->acc)
     /* R = 1: one W row at a time, a single forward stream the hardware prefetcher follows
-       (2 or 4 rows side by side ran 1.2-1.6x slower from DRAM on Zen 4) */
+       (2 or 4 rows side by side stream slower from DRAM) */
     switch (j->M) {
         case 1: I8_ROWS(1, 1); break;
         case 2: I8_ROWS(2, 1); break;
@@ -797,7 +795,7 @@ int sluice_attn_decode(const float *qkv, int64_t qs, void *cache, int64_t blocks
    own ops run on (one libgomp in the process), so no second set of threads competes with
    it for the cores. In the model every layer's keys come from beyond L2 (the weights
    streamed between layers evict them): the next 16 keys' rows are prefetched, across
-   blocks too (benchmarks/RESULTS.md, Engine). */
+   blocks too. */
 
 DP_TARGET static inline __m512 widen16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -1230,7 +1228,7 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
    What `DecoderLayer.forward_decode` does per layer, with the same kernels in the same
    order and the same thread counts, so the hidden states are bit-identical to it: the
    Python glue around ~10 kernel calls a layer (argument conversion, tensor allocation)
-   cost about as much as the step's attention (benchmarks/RESULTS.md, Engine). The
+   cost about as much as the step's attention. The
    projections are bf16 (`mode` as sluice_bf16_linear's) or int8 (`scale` per row). */
 typedef struct {
     const void *w;
