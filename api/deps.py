@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from starlette.requests import HTTPConnection, Request
 
 from sluice.api.auth import Principal, require_principal
-from sluice.api.errors import EngineNotReady, InvalidRequest, RateLimited
+from sluice.api.errors import EngineNotReady, EngineUnavailable, InvalidRequest, RateLimited
 from sluice.api.generation import Generation
 from sluice.api.prepare import Call, RequestLimits, build_call, deadline_ms_for
 from sluice.api.served import ModelCatalog, ServedModel
@@ -139,10 +139,12 @@ class Gateway:
 
 def require_engine_ready(conn: HTTPConnection) -> None:
     """Embedded mode: 503 at once while this process's engine worker is not ready (the
-    probe `/readyz` uses), rather than a request waiting out the model's load."""
+    probe `/readyz` uses), rather than a request waiting out the model's load or an
+    engine that does not come up; the message names the cause once the probe has one."""
     probe = getattr(conn.app.state, "worker_probe", None)
     if probe is not None and not probe.ready():
-        raise EngineNotReady()
+        cause = probe.unavailable()
+        raise EngineUnavailable(cause) if cause else EngineNotReady()
 
 
 def _check_length(items: list[Any], param: str, most: int) -> None:

@@ -19,8 +19,11 @@ APIError                         root; carries status, type, code, param, header
 ├── ServiceUnavailable           503 server_error / bus_unavailable (retryable)
 │   ├── QuotaUnavailable         503 server_error / quota_store_unavailable (budgeted tenant,
 │   │                            Redis down: budgets fail closed)
-│   └── EngineNotReady           503 server_error / engine_not_ready (retry-after: the
-│                                engine of this process is loading or restarting)
+│   ├── EngineNotReady           503 server_error / engine_not_ready (retry-after: the
+│   │                            engine of this process is loading)
+│   └── EngineUnavailable        503 service_unavailable / engine_unavailable (retry-after:
+│                                no engine came up within the worker's `engine_wait_s`, or
+│                                this process's engine is down; the message names the cause)
 ├── RequestCancelled             503 server_error / request_cancelled (x-should-retry: false)
 └── DeadlineExceeded             504 timeout_error / deadline_exceeded (x-should-retry: false)
 
@@ -47,6 +50,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sluice.bus.messages import ENGINE_UNAVAILABLE
 from sluice.storage import errors as store_errors
 
 logger = logging.getLogger(__name__)
@@ -177,6 +181,22 @@ class EngineNotReady(ServiceUnavailable):
         )
 
 
+class EngineUnavailable(ServiceUnavailable):
+    """No engine is up to serve the request: it died or never started (an upstream server
+    that does not answer, an engine process that fails at load). The message is the
+    worker's: the cause and its fix."""
+
+    error_type = "service_unavailable"
+    code = "engine_unavailable"
+    retry_after_s = 10
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            message,
+            headers={"retry-after": str(self.retry_after_s), "x-should-retry": "true"},
+        )
+
+
 class RequestCancelled(APIError):
     status_code = 503
     error_type = "server_error"
@@ -201,12 +221,17 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_for_finish(finish_reason: str, detail: str | None) -> APIError | None:
-    """The error a terminal finish_reason means for the client (None: a normal finish)."""
+def error_for_finish(
+    finish_reason: str, detail: str | None, code: str | None = None
+) -> APIError | None:
+    """The error a terminal finish_reason means for the client (None: a normal finish);
+    `code`: the delta's `error_code` (ENGINE_UNAVAILABLE: 503, not 500)."""
     if finish_reason == "deadline":
         return DeadlineExceeded()
     if finish_reason == "abort":
         return RequestCancelled()
+    if finish_reason == "error" and code == ENGINE_UNAVAILABLE:
+        return EngineUnavailable(detail or "no engine is up to serve this request")
     if finish_reason == "error":
         return EngineFailed(detail or "the engine failed while generating this request")
     return None

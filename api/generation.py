@@ -14,7 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sluice.bus.messages import FinishReason, PromptLogprob, TokenDelta, TokenLogprob
+from sluice.bus.messages import (
+    ENGINE_UNAVAILABLE,
+    FinishReason,
+    PromptLogprob,
+    TokenDelta,
+    TokenLogprob,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ class StreamEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # `TokenDelta.error_code`
     prompt_logprobs: list[PromptLogprob | None] | None = None  # on the choice's first event
 
 
@@ -68,6 +75,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
@@ -75,6 +83,8 @@ def _client_error(request_id: str, delta: TokenDelta) -> str | None:
     """A stable message for the client; the engine's own words go to the log only."""
     if delta.error is None:
         return None
+    if delta.error_code == ENGINE_UNAVAILABLE:
+        return delta.error  # the worker's words for the client: the cause and its fix
     logger.warning(
         "request failed in the engine request_id=%s attempt=%s: %s",
         request_id,
@@ -221,6 +231,7 @@ class Generation:
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason,
                     error=error,
+                    error_code=delta.error_code,
                     prompt_logprobs=prompt_logprobs,
                 )
             )
@@ -293,6 +304,7 @@ def _add(result: ChoiceResult, event: StreamEvent) -> None:
         result.prompt_logprobs = event.prompt_logprobs
     if event.finish_reason is not None:
         result.finish_reason, result.error = event.finish_reason, event.error
+        result.error_code = event.error_code
 
 
 def _ahead(track: Track, delta: TokenDelta) -> bool:

@@ -204,19 +204,19 @@ class ResponsesFormat:
         if self.plan.plain:
             for event in items.open_message():
                 yield event
-        finish, detail = None, None
+        finish, detail, code = None, None, None
         async for ev in pump(generation, ping_s):
             if ev is None:
                 yield None
                 continue
             pieces = reader.feed(ev.text) if ev.text else []
             if ev.finish_reason is not None:
-                finish, detail = ev.finish_reason, ev.error
+                finish, detail, code = ev.finish_reason, ev.error, ev.error_code
                 pieces += reader.finish()
             for piece in pieces:
                 for event in items.piece(piece):
                     yield event
-        error = error_for_finish(finish or "error", detail)
+        error = error_for_finish(finish or "error", detail, code)
         if finish is None:
             error = error or APIError("the stream ended without a finish")
         if error is not None:

@@ -132,7 +132,7 @@ async def _stream(generation: Generation, out: CallAnswer, ping_s: float) -> Asy
             for payload in out.before_finish(ev):
                 yield sse_data(payload)
             if ev.finish_reason is not None:
-                error = error_for_finish(ev.finish_reason, ev.error)
+                error = error_for_finish(ev.finish_reason, ev.error, ev.error_code)
                 if error is not None:
                     yield sse_data(error.body())
                     yield DONE

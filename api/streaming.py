@@ -114,7 +114,7 @@ async def collect_answer(request: Request, generation: Generation) -> list[Choic
     ended in error, abort or deadline raises its OpenAI error."""
     results = await until_disconnect(request, generation, generation.collect())
     for result in results or []:
-        error = error_for_finish(result.finish_reason or "error", result.error)
+        error = error_for_finish(result.finish_reason or "error", result.error, result.error_code)
         if error is not None:
             raise error
     return results

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sluice.bus.topics import Lane
 
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+# `TokenDelta.error_code` of a request that no engine came up to run (the gateway: 503)
+ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 class Message(BaseModel):
@@ -182,6 +184,9 @@ class TokenDelta(BaseModel):
     )
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": a message fit for the client
+    # with finish_reason "error": ENGINE_UNAVAILABLE when no engine came up to run it (the
+    # gateway answers 503); left out when None, as prompt_logprobs is
+    error_code: str | None = Field(default=None, exclude_if=lambda v: v is None)
     usage: Usage | None = None  # on the last delta only
 
 

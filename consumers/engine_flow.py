@@ -54,7 +54,7 @@ from sluice.consumers.flow_runtime import FlowEnv, FlowMode, FlowStats, FlowTask
 from sluice.consumers.flow_starts import AttemptStarts
 from sluice.consumers.gateway_liveness import GatewayLiveness
 from sluice.consumers.progress import ProgressStore
-from sluice.consumers.work_item import ABORTED, DEADLINE, ItemState, WorkItem, now_ms
+from sluice.consumers.work_item import ABORTED, DEADLINE, EndReason, ItemState, WorkItem, now_ms
 from sluice.consumers.worker_requests import LANE_PRIORITY, deadline_to_monotonic, is_expired
 from sluice.engine.backends.base import EngineBackend, EngineDelta
 from sluice.tracing.propagation import trace_headers
@@ -163,7 +163,10 @@ class RequestFlow:
             self._answers.answer(items, DEADLINE)
 
     def pause_partitions(self, engine_full: bool) -> set[TopicPartition]:
-        """Backpressure: partitions with enough buffered, or all while nothing is admitted."""
+        """Backpressure: partitions with enough buffered, or all while nothing is admitted
+        (but none once the engine is unavailable: what comes is answered 503 at once)."""
+        if self.mode.engine_unavailable and not self.mode.stopping and self.stats.healthy:
+            return set()
         if not self._admits():
             return self._held.assigned()
         return self._admission.partitions_to_pause(engine_full)
@@ -264,9 +267,18 @@ class RequestFlow:
         self._orphans.requeue()
         self.refresh_stats()
 
-    def fail_orphans(self, error: str) -> None:
-        """The engine is not coming back: its orphans end with 'error'."""
-        self._orphans.fail(error)
+    def fail_waiting(self, error: str) -> None:
+        """No engine came up in time: the orphans and the buffered requests end with
+        'error' marked unavailable (the gateway answers 503 with `error`)."""
+        self._orphans.fail(error, unavailable=True)
+        buffered = self._admission.take_all()
+        if buffered:
+            self._answers.answer(buffered, EndReason.unavailable(error))
+        self.refresh_stats()
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the tasks the flow spawned, answers included."""
+        await self._tasks.wait(timeout_s)
 
     def end_running(self) -> None:
         """At the drain's deadline: hand over or abort what still runs."""

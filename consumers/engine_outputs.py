@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import assert_never
 
 from sluice.bus.messages import (
+    ENGINE_UNAVAILABLE,
     FinishReason,
     PromptLogprob,
     TelemetryRecord,
@@ -33,7 +34,7 @@ from sluice.bus.messages import (
     UsageRecord,
 )
 from sluice.consumers.progress import StepProgress
-from sluice.consumers.work_item import EndReason, WorkItem, now_ms
+from sluice.consumers.work_item import EndKind, EndReason, WorkItem, now_ms
 from sluice.engine.backends.base import EngineDelta, EngineLogprob
 from sluice.engine.backends.base import FinishReason as EngineFinishReason
 
@@ -207,6 +208,7 @@ def _token_delta(parts: list[DeltaPart]) -> TokenDelta:
         prompt_logprobs=prompt_logprobs,
         finish_reason=None if finish is None else to_bus_finish_reason(finish),
         error=_client_error(delta),
+        error_code=ENGINE_UNAVAILABLE if delta.unavailable else None,
         usage=usage,
     )
 
@@ -347,6 +349,7 @@ def unrun_terminal(item: WorkItem, reason: EndReason) -> EngineDelta:
         item.request_id,
         finish_reason=reason.finish_reason,
         error=reason.detail,
+        unavailable=reason.kind is EndKind.UNAVAILABLE,
         num_prompt_tokens=0,
         num_cached_tokens=0,
         num_output_tokens=0,

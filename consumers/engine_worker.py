@@ -20,7 +20,10 @@ delta and one usage record per attempt.
 A dead engine that can be restarted (`RestartableBackend`: the engine process) is
 started again after a backoff; meanwhile the worker is not ready, pauses its lanes and
 holds the offsets of what the engine held, and those requests resume on the new engine
-as after a failover (`RequestFlow.requeue_orphans`).
+as after a failover (`RequestFlow.requeue_orphans`). An engine that fails to start at all
+goes the same way. The requests held for a down engine wait `engine_wait_s`; then they,
+and whatever arrives while it stays down, end with an 'error' marked unavailable (the
+gateway answers 503 with `unavailable_message`), while the restarts go on.
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ class EngineWorker:
         )
         self._joined = False  # the group gave this worker partitions
         self._engine_started_at = 0.0  # loop time
+        self._down_since: float | None = None  # loop time the engine went down
+        self.down_cause: str | None = None  # why the engine is down (read from any thread)
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def run(self) -> None:
@@ -192,6 +197,13 @@ class EngineWorker:
     def health(self) -> bool:
         return self.stats.healthy and not self._done.is_set()
 
+    @property
+    def unavailable_message(self) -> str | None:
+        """What a request that no engine can serve is told: the cause, and its fix where
+        the backend named one; None while the engine is up (or loading the first time)."""
+        cause = self.down_cause
+        return None if cause is None else f"no engine is up: {cause}"
+
     def _wake_threadsafe(self) -> None:
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
@@ -202,13 +214,21 @@ class EngineWorker:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.backend.start()
+        failed_start: EngineDeadError | None = None
+        try:
+            self.backend.start()
+        except EngineDeadError as exc:
+            if not self._flow.mode.restarts_engine:
+                raise
+            failed_start = exc  # started again by `_delta_loop`, as a dead engine is
+            self._flow.mode.engine_up = self.stats.engine_up = False
+            self.down_cause = str(exc)
         self._engine_started_at = self._loop.time()
         if self.model_name is not None:
             self._unwatch_engine = watch_engine(self.model_name, self.backend.stats)
         await self._on_kafka(self._poller.open)
         self._flow.publisher.bind(self._loop)
-        deltas = asyncio.create_task(self._delta_loop(), name="engine-deltas")
+        deltas = asyncio.create_task(self._delta_loop(failed_start), name="engine-deltas")
         ticker = asyncio.create_task(self._tick_loop(), name="engine-ticks")
         poll = asyncio.create_task(self._poll_loop(), name="engine-poll")
         stopping_at = self._loop.time()
@@ -284,16 +304,20 @@ class EngineWorker:
         self.stats.healthy = False
         self._stop.set()
 
-    async def _delta_loop(self) -> None:
+    async def _delta_loop(self, failed_start: EngineDeadError | None) -> None:
+        """Engine steps into the flow; a dead engine (or one that `failed_start`) is
+        restarted where it can be."""
         while True:
-            try:
-                async for batch in self.backend.deltas():
-                    self._flow.on_step(batch)
-            except Exception:
-                logger.exception("worker=%s engine delta stream failed", self.worker_id)
-            if self._stop.is_set():
-                return
-            if self._flow.mode.restarts_engine and await self._restart_engine():
+            if failed_start is None:
+                try:
+                    async for batch in self.backend.deltas():
+                        self._flow.on_step(batch)
+                except Exception:
+                    logger.exception("worker=%s engine delta stream failed", self.worker_id)
+                if self._stop.is_set():
+                    return
+            if self._flow.mode.restarts_engine and await self._restart_engine(failed_start):
+                failed_start = None
                 continue
             if not self._stop.is_set():
                 logger.error("worker=%s engine stopped; stopping without commit", self.worker_id)
@@ -301,25 +325,34 @@ class EngineWorker:
                 self._stop.set()
             return
 
-    async def _restart_engine(self) -> bool:
-        """Start the dead engine again, after a backoff; True once it is back.
+    async def _restart_engine(self, failed_start: EngineDeadError | None = None) -> bool:
+        """Start the dead engine (or the one that `failed_start`) again, after a backoff;
+        True once it is back.
 
         First the publisher is flushed: the progress store then holds what clients were
         sent, which the orphaned requests resume from (and a late progress write of the
         dead attempt cannot fence the new one). False when the worker stops meanwhile or
-        the engine fails to start `engine_max_failed_starts` times in a row.
+        the engine fails to start `engine_max_failed_starts` times in a row; then what
+        waits for it ends with 503.
         """
         loop = asyncio.get_running_loop()
         flow, stats, config = self._flow, self.stats, self.config
         flow.mode.engine_up = stats.engine_up = stats.ready = False
-        up_s = loop.time() - self._engine_started_at
-        logger.error(
-            "worker=%s engine died after %.1fs up (%s); %s requests wait for its restart",
-            self.worker_id,
-            up_s,
-            getattr(self.backend, "error", None),
-            flow.num_orphans,
-        )
+        self._down_since = loop.time()
+        if failed_start is not None:
+            up_s = 0.0
+            logger.error("worker=%s engine failed to start: %s", self.worker_id, failed_start)
+        else:
+            up_s = loop.time() - self._engine_started_at
+            error = getattr(self.backend, "error", None)
+            self.down_cause = str(error) if error else "the engine died"
+            logger.error(
+                "worker=%s engine died after %.1fs up (%s); %s requests wait for its restart",
+                self.worker_id,
+                up_s,
+                error,
+                flow.num_orphans,
+            )
         await flow.publisher.flush(timeout_s=10.0)
         for failed in range(config.engine_max_failed_starts):
             if not await self._wait_unless_stopped(self._backoff.delay(up_s)):
@@ -329,8 +362,11 @@ class EngineWorker:
                 await loop.run_in_executor(None, self._restart_backend, loop)
             except EngineDeadError as exc:
                 logger.error("worker=%s engine restart %s failed: %s", self.worker_id, failed, exc)
+                self.down_cause = str(exc)
                 continue
             self._engine_started_at = loop.time()
+            self._down_since = self.down_cause = None
+            flow.mode.engine_unavailable = False
             stats.engine_restarts += 1
             flow.requeue_orphans()
             flow.mode.engine_up = stats.engine_up = True
@@ -338,7 +374,8 @@ class EngineWorker:
             logger.info("worker=%s engine restarted", self.worker_id)
             flow.admit()
             return True
-        flow.fail_orphans("the engine died and could not be restarted")
+        flow.fail_waiting(self.unavailable_message or "no engine is up")
+        await flow.settle(timeout_s=5.0)  # the answers go out before the worker stops
         return False
 
     def _restart_backend(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -364,12 +401,27 @@ class EngineWorker:
             wake.clear()
             self._flow.mode.stopping = self._stop.is_set()
             self._flow.tick()
+            self._end_waits_past_bound()
             # a restartable engine's death ends its delta stream: `_delta_loop` heals it
             restarts = self._flow.mode.restarts_engine
             if not restarts and not self.backend.health() and not self._stop.is_set():
                 logger.error("worker=%s engine unhealthy; stopping", self.worker_id)
                 self.stats.healthy = False
                 self._stop.set()
+
+    def _end_waits_past_bound(self) -> None:
+        """Once the engine has been down `engine_wait_s`, what waits for it, and what
+        arrives while it stays down, ends with 503 (`RequestFlow.fail_waiting`)."""
+        since, loop, flow = self._down_since, self._loop, self._flow
+        if since is None or loop is None or loop.time() - since < self.config.engine_wait_s:
+            return
+        message = self.unavailable_message or "no engine is up"
+        if not flow.mode.engine_unavailable:
+            flow.mode.engine_unavailable = True
+            logger.error(
+                "worker=%s %s; requests fail with 503 until it is back", self.worker_id, message
+            )
+        flow.fail_waiting(message)
 
     async def _drain(self) -> None:
         """Finish what the engine holds within the timeout, then abort the rest.

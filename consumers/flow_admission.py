@@ -63,6 +63,13 @@ class Admission:
         item.requeue()
         self._buffer.push(item)
 
+    def take_all(self) -> list[WorkItem]:
+        """Take every buffered item out of the buffer."""
+        items = list(self._buffer)
+        for item in items:
+            self._buffer.remove(item)
+        return items
+
     def take_expired(self) -> list[WorkItem]:
         """Take the buffered items past their deadline out of the buffer."""
         expired = [i for i in self._buffer if is_expired(i.deadline)]

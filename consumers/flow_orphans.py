@@ -91,12 +91,12 @@ class Orphans:
                 self._admission.requeue(item)
         self._held.update_snapshot()
 
-    def fail(self, error: str) -> None:
-        """The engine is not coming back: what it held ends with 'error', as it would
-        without restarts (billed as what this worker received of it)."""
+    def fail(self, error: str, *, unavailable: bool = False) -> None:
+        """The engine is not back (in time): what it held ends with 'error', as it would
+        without restarts (billed as what this worker received of it); `unavailable`: the
+        gateway answers 503 with `error` as the message."""
         pairs = [
-            (item, EngineDelta(item.request_id, finish_reason="error", error=error))
-            for item in self._all()
+            (item, _failed(item.request_id, error, unavailable=unavailable)) for item in self._all()
         ]
         if pairs:
             self._output.step(pairs)
@@ -104,3 +104,7 @@ class Orphans:
     def expired(self) -> list[WorkItem]:
         """The orphans past their deadline (to be answered: they wait no longer)."""
         return [i for i in self._all() if is_expired(i.deadline)]
+
+
+def _failed(request_id: str, error: str, *, unavailable: bool) -> EngineDelta:
+    return EngineDelta(request_id, finish_reason="error", error=error, unavailable=unavailable)

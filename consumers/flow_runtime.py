@@ -29,6 +29,9 @@ class FlowMode:
 
     stopping: bool = False  # draining: admit nothing more
     engine_up: bool = True  # False while the worker restarts a dead engine
+    # the engine has been down longer than `engine_wait_s`: polled requests are answered
+    # 503 at once (their partitions no longer paused for the restart)
+    engine_unavailable: bool = False
     restarts_engine: bool = False  # the worker restarts a dead engine (it can)
 
     @property
@@ -62,6 +65,11 @@ class FlowTasks:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the tasks spawned so far are done, or `timeout_s` passed."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     def cancel_all(self) -> None:
         for task in list(self._tasks):

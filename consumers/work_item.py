@@ -62,6 +62,8 @@ class EndKind(enum.Enum):
     DEADLINE = "deadline"  # its deadline passed before it ran to the end
     LENGTH = "length"  # earlier attempts already generated max_tokens
     ERROR = "error"  # the engine refused it (`EndReason.detail` says why)
+    # no engine came up to run it within `engine_wait_s` (`detail`: the cause and its fix)
+    UNAVAILABLE = "unavailable"
     FINISHED = "finished"  # an earlier attempt published its terminal delta
     LOST = "lost"  # its partition went to another member, who answers it
     FENCED = "fenced"  # a newer attempt began elsewhere
@@ -77,6 +79,7 @@ _FINISH_REASONS: dict[EndKind, FinishReason] = {
     EndKind.DEADLINE: "deadline",
     EndKind.LENGTH: "length",
     EndKind.ERROR: "error",
+    EndKind.UNAVAILABLE: "error",
     EndKind.LOST: "abort",
     EndKind.FENCED: "abort",
     EndKind.STOPPED: "abort",
@@ -89,11 +92,15 @@ class EndReason:
     """Why the worker ends a request before the engine finishes it on its own."""
 
     kind: EndKind
-    detail: str | None = None  # for ERROR: the engine's words (logged, not shown)
+    detail: str | None = None  # ERROR: the engine's words (logged); UNAVAILABLE: shown
 
     @classmethod
     def error(cls, detail: str) -> EndReason:
         return cls(EndKind.ERROR, detail)
+
+    @classmethod
+    def unavailable(cls, detail: str) -> EndReason:
+        return cls(EndKind.UNAVAILABLE, detail)
 
     @property
     def silent(self) -> bool:

@@ -72,6 +72,10 @@ class EngineWorkerConfig:
     engine_restart_reset_s: float = 60.0
     max_engine_deaths: int = 3
     engine_max_failed_starts: int = 5
+    # While the engine is down (it died, or failed to start), the requests held for it
+    # wait this long; then they, and what arrives while it stays down, end with a 503
+    # naming the cause. The restarts go on meanwhile.
+    engine_wait_s: float = 30.0
     # Gateways and workers say they live every `heartbeat_s`; the requests of a gateway
     # silent for `gateway_ttl_s` are cancelled (`consumers.gateway_liveness`); 0: never.
     heartbeat_s: float = 1.0

@@ -183,7 +183,7 @@ def _report_startup(
     `announce` once a request would be answered: `/readyz`'s checks (HTTP server up, reply
     consumer running, engine worker ready). Polled: these flags come with no event."""
     started = time.monotonic()
-    said_pid = False
+    said_pid = said_down = False
     while True:
         if not worker.health():
             typer.echo("sluice serve: the engine worker stopped before it was ready", err=True)
@@ -194,6 +194,10 @@ def _report_startup(
             typer.echo(f"sluice serve: engine process pid={listed} started, loading", err=True)
             said_pid = True
         probe, service = app.state.worker_probe, app.state.gateway.service
+        down = probe.unavailable()
+        if down is not None and not said_down:  # an upstream that does not answer, say
+            typer.echo(f"sluice serve: {down}; requests answer 503 until it is up", err=True)
+            said_down = True
         if server.started and service.ready and probe.ready():
             took_s = time.monotonic() - started
             typer.echo(f"sluice serve: engine ready after {took_s:.1f}s", err=True)

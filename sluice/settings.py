@@ -541,6 +541,14 @@ class EngineWorkerSettings(Settings):
         description="a gateway whose heartbeats stop this many seconds has its requests"
         " cancelled (billed for what was generated); 0 never cancels",
     )
+    engine_wait_s: float = from_config(
+        EngineWorkerConfig,
+        "engine_wait_s",
+        gt=0,
+        description="seconds a request may wait for an engine to come up (a dead engine's"
+        " restart, a failed start, an upstream server's health check); then it fails with"
+        " 503 engine_unavailable, naming the cause",
+    )
     drain_timeout_s: float = from_config(
         EngineWorkerConfig,
         "drain_timeout_s",

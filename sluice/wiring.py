@@ -462,6 +462,16 @@ class WorkerProbe:
     def healthy(self) -> bool:
         return all(w.health() for w in self.workers)
 
+    def unavailable(self) -> str | None:
+        """The first worker's reason no engine is up (None: up, or loading)."""
+        for worker in self.workers:
+            message = worker.unavailable_message
+            if message is None and not worker.health():
+                message = "no engine is up: the engine worker stopped; see the server's log"
+            if message is not None:
+                return message
+        return None
+
 
 def build_gateway_app(
     settings: GatewaySettings,

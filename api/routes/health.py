@@ -32,6 +32,11 @@ class WorkerProbe(Protocol):
         """It runs, or heals itself; False once it stopped."""
         ...
 
+    def unavailable(self) -> str | None:
+        """Why no engine is up, for a client's 503 (its engine died or failed to start,
+        or the worker stopped); None while it is up or still loading."""
+        ...
+
 
 def _worker_probe(request: Request) -> WorkerProbe | None:
     probe: WorkerProbe | None = getattr(request.app.state, "worker_probe", None)

@@ -108,6 +108,9 @@ class EngineDelta:
     # with finish_reason 'error': the engine died under the request, which did nothing
     # wrong; it can run again (on a restarted engine, or elsewhere)
     retryable: bool = False
+    # with finish_reason 'error': no engine came up to run it within the worker's wait
+    # (`engine_wait_s`); the gateway answers 503, `error` being the cause and its fix
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,9 @@ healthy upstream: the tokens received so far are appended to the prompt, so the 
 sees one uninterrupted output. A request that fails with no healthy upstream left kills
 the backend as a dead engine would (in-flight requests end with a retryable 'error',
 `health()` turns False, `deltas()` ends); `restart()` waits for an upstream to answer
-again, so the engine worker resumes them there as after an engine restart.
+again, so the engine worker resumes them there as after an engine restart. So does a
+start where no upstream answers its health path at once: the backend dies rather than
+say it is up, and its error names the servers and the fix.
 
 A constrained request (`SamplingParams.constraint`) cannot move mid-output: the peer
 would start its grammar afresh on the continuation. One that fails before any of its
@@ -316,12 +318,26 @@ class UpstreamEngineBackend(PerRequestBackend[_Live]):
             raise RuntimeError("restart() only after the engine died")
         until = time.monotonic() + self.restart_timeout_s
         while not self._probe_all_blocking():
+            if self._stopping:  # shut down meanwhile: the worker stops, not waits
+                raise EngineDeadError("engine was shut down")
             if time.monotonic() >= until:
-                raise EngineDeadError(
-                    f"no upstream answered {self.health_path} within {self.restart_timeout_s:.0f}s"
-                )
+                raise EngineDeadError(self.unanswered())
             time.sleep(min(0.5, self.health_interval_s))
         self._open(loop or asyncio.get_running_loop())
+
+    def unanswered(self) -> str:
+        """Why it cannot serve when no upstream answers its health path, and the fix."""
+        urls = [u.url for u in self.upstreams]
+        if len(urls) == 1:
+            who = f"the upstream server at {urls[0]} does not answer its health check"
+            probe = f"GET {urls[0]}{self.health_path}"
+        else:
+            who = f"none of the upstream servers ({', '.join(urls)}) answers its health check"
+            probe = f"GET {self.health_path}"
+        return (
+            f"{who} ({probe}): start it, or point --upstream-url (SLUICE_UPSTREAM_URLS)"
+            " at a server that runs"
+        )
 
     def kill(self, error: BaseException) -> None:
         """Lose every upstream at once, as if all failed now (tests; from any thread)."""
@@ -393,7 +409,8 @@ class UpstreamEngineBackend(PerRequestBackend[_Live]):
                 f" output, which cannot continue on another upstream ({failure}); retry it",
             )
         if self._pick() is None:
-            self._die(failure or RuntimeError("no healthy upstream"))
+            urls = ", ".join(u.url for u in self.upstreams)
+            self._die(EngineDeadError(f"every upstream server ({urls}) failed: {failure}"))
         else:
             self._finish(live, "error", f"failed on {self.max_resumes + 1} upstreams: {failure}")
 
@@ -510,8 +527,14 @@ class UpstreamEngineBackend(PerRequestBackend[_Live]):
 
     # -- upstream health -------------------------------------------------------------
     async def _probe_forever(self) -> None:
+        """Probe every upstream now, then each `health_interval_s`; none answering the
+        first probe kills the backend (it is not up), as losing them all later does."""
         client = self._client
         assert client is not None
+        results = await asyncio.gather(*(self._probe(client, u) for u in self.upstreams))
+        if not any(results):
+            self._die(EngineDeadError(self.unanswered()))
+            return
         while True:
             await asyncio.sleep(self.health_interval_s)
             results = await asyncio.gather(*(self._probe(client, u) for u in self.upstreams))

@@ -28,12 +28,16 @@ class Probe:
 
     is_ready: bool = False
     is_healthy: bool = True
+    cause: str | None = None
 
     def ready(self) -> bool:
         return self.is_ready
 
     def healthy(self) -> bool:
         return self.is_healthy
+
+    def unavailable(self) -> str | None:
+        return self.cause
 
 
 @pytest.fixture
@@ -60,6 +64,19 @@ def test_generation_before_the_engine_is_ready_is_503_with_retry_after(
     error = r.json()["error"]
     assert (error["type"], error["code"]) == ("server_error", "engine_not_ready")
     assert "not ready" in error["message"]
+
+
+@pytest.mark.parametrize(("path", "body"), GENERATION, ids=[p for p, _ in GENERATION])
+def test_generation_while_no_engine_comes_up_is_503_naming_the_cause(
+    loading: TestClient, probe: Probe, path: str, body: dict[str, object]
+) -> None:
+    probe.cause = "no engine is up: the upstream server at http://h:8000 does not answer"
+    r = loading.post(path, json={**body, "stream": False})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "10" and r.headers["x-should-retry"] == "true"
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
+    assert error["message"] == probe.cause
 
 
 def test_streamed_generation_is_refused_before_the_stream_starts(loading: TestClient) -> None:

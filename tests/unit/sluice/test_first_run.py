@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -21,6 +22,8 @@ from sluice.cli import app
 from sluice.cli_common import QUIETED_LOGGERS, settings_or_exit
 from sluice.settings import EngineWorkerSettings, Settings
 from sluice.up import call_when_ready
+from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args
+from tests.waiting import wait_until
 
 runner = CliRunner()
 
@@ -42,6 +45,40 @@ def test_serve_on_a_port_in_use_is_one_line_before_anything_loads(tmp_path: Path
         " holds it or pick another port (--port, $SLUICE_PORT)"
     ], done.stderr
     assert not (tmp_path / "models").exists()  # nothing was loaded or made
+
+
+def test_serve_with_an_upstream_that_does_not_answer_is_503_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        upstream = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nobody listens
+    port = free_port()
+    args = serving_args("serve", port, tmp_path)
+    args += ["--backend", "upstream", "--upstream-url", upstream]
+    proc = SluiceProcess(args, tmp_path / "serve.log", {"SLUICE_ENGINE_WAIT_S": "0.5"}).start()
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def answer() -> httpx.Response | None:
+        assert proc.proc is not None and proc.proc.poll() is None, proc.output()
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        try:
+            reply = httpx.post(url, json=body, headers=headers, timeout=60)
+        except httpx.ConnectError:
+            return None  # not listening yet
+        loading = reply.status_code == 503 and reply.json()["error"]["code"] == "engine_not_ready"
+        return None if loading else reply  # loading: the first health check not made yet
+
+    try:
+        reply = wait_until(answer, 120, "an answer past start-up", interval_s=0.2)
+    finally:
+        code = proc.stop()
+    assert reply.status_code == 503, reply.text
+    assert reply.headers["retry-after"] and reply.headers["x-should-retry"] == "true"
+    error = reply.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
+    assert error["message"].startswith(f"no engine is up: the upstream server at {upstream}")
+    assert "health check" in error["message"] and "--upstream-url" in error["message"]
+    assert code == 0, proc.output()[-3000:]
 
 
 @pytest.mark.parametrize(
