@@ -342,6 +342,26 @@ def test_no_healthy_upstream_left_kills_the_backend() -> None:
     assert not backend.health()
 
 
+def test_a_start_with_no_upstream_answering_its_health_check_dies_naming_it() -> None:
+    fake = FakeUpstreams(a="http500")  # its health path answers 503
+
+    async def main() -> UpstreamEngineBackend:
+        backend = UpstreamEngineBackend(fake.urls, "fake", transport=fake.transport())
+        backend.start()
+        async with asyncio.timeout(10):
+            async for _ in backend.deltas():
+                pass  # ends: it is not up
+        return backend
+
+    backend = asyncio.run(main())
+    assert not backend.health() and fake.bodies["a"] == []
+    assert str(backend.error) == backend.unanswered()
+    assert backend.unanswered().startswith(
+        "the upstream server at http://a does not answer its health check (GET http://a/health)"
+    )
+    assert "--upstream-url" in backend.unanswered()
+
+
 def test_a_deadline_mid_stream_ends_with_deadline() -> None:
     fake = FakeUpstreams(a="slow")
     request = EngineRequest("r", [1], _ignore_eos(100), deadline=time.monotonic() + 0.3)
