@@ -361,8 +361,9 @@ class EngineWorker:
             try:
                 await loop.run_in_executor(None, self._restart_backend, loop)
             except EngineDeadError as exc:
+                # `down_cause` stays what took the engine down: a backend that cannot
+                # start again may only say it was shut down
                 logger.error("worker=%s engine restart %s failed: %s", self.worker_id, failed, exc)
-                self.down_cause = str(exc)
                 continue
             self._engine_started_at = loop.time()
             self._down_since = self.down_cause = None

@@ -410,7 +410,12 @@ class UpstreamEngineBackend(PerRequestBackend[_Live]):
             )
         if self._pick() is None:
             urls = ", ".join(u.url for u in self.upstreams)
-            self._die(EngineDeadError(f"every upstream server ({urls}) failed: {failure}"))
+            self._die(
+                EngineDeadError(
+                    f"every upstream server ({urls}) failed: {failure}; check that they run,"
+                    " or point --upstream-url (SLUICE_UPSTREAM_URLS) at servers that do"
+                )
+            )
         else:
             self._finish(live, "error", f"failed on {self.max_resumes + 1} upstreams: {failure}")
 

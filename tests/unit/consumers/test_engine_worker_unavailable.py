@@ -66,7 +66,7 @@ def test_a_dead_engine_not_back_within_the_wait_fails_its_requests_then_serves_a
     client.wait(lambda: len(engine._running) == 1, 5, "for it to run")
     engine.crash()
     client.wait_finished(["r"])
-    _assert_unavailable(_terminal(client, "r"), "fake engine failed to start")
+    _assert_unavailable(_terminal(client, "r"), "the engine died")
     assert worker.worker.stats.healthy
     engine.failed_starts = 0  # the next restart comes up
     client.wait(lambda: worker.worker.stats.ready, 5, "for the engine to be back")
@@ -89,6 +89,6 @@ def test_a_worker_that_gives_up_answers_what_it_held_unavailable() -> None:
     client.wait(lambda: len(engine._running) == 1, 5, "for it to run")
     engine.crash()
     client.wait_finished(["r"])
-    _assert_unavailable(_terminal(client, "r"), "fake engine failed to start")
+    _assert_unavailable(_terminal(client, "r"), "the engine died")
     worker.thread.join(10.0)
     assert isinstance(worker.error, EngineDeadError)
