@@ -101,9 +101,9 @@ UpstreamUrl = Annotated[
     typer.Option(
         "--upstream-url",
         metavar="URL",
-        help="An engine server for --backend upstream (vLLM, trtllm-serve, SGLang, sluice"
-        " serve), its URL (a trailing /v1 is dropped); repeat for several; overrides"
-        " $SLUICE_UPSTREAM_URLS.",
+        help="An engine server (vLLM, trtllm-serve, SGLang, sluice serve) for --backend"
+        " upstream, which it implies; its URL (a trailing /v1 is dropped); repeat for"
+        " several; overrides $SLUICE_UPSTREAM_URLS.",
         show_default=False,
     ),
 ]
@@ -120,8 +120,12 @@ def _model_overrides(
     }
 
 
-def _upstream(urls: list[str] | None) -> dict[str, Any]:
-    return {"upstream_urls": ",".join(urls) if urls else None}
+def _engine(backend: str | None, urls: list[str] | None) -> dict[str, Any]:
+    """The backend flags as settings: `--upstream-url` alone means `--backend upstream`
+    (a URL given to the torch engine would be ignored without a word)."""
+    if urls and backend is None:
+        backend = "upstream"
+    return {"backend": backend, "upstream_urls": ",".join(urls) if urls else None}
 
 
 TINY_LLAMA = "tiny-llama"  # the preset (engine.loader.PRESETS), named without importing torch
@@ -271,7 +275,7 @@ def serve(
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
     settings = settings_or_exit(GatewaySettings, host=host, port=port, **overrides)
     worker_settings = settings_or_exit(
-        EngineWorkerSettings, backend=backend, **_upstream(upstream_url), **overrides
+        EngineWorkerSettings, **_engine(backend, upstream_url), **overrides
     )
     sock = _listen(settings, "serve")
     secure_data_dir(settings)  # before a model download creates it with the umask's mode
@@ -375,9 +379,7 @@ def worker_engine(
     from sluice.tracing.metrics import set_probes
 
     overrides = _model_overrides(model, served_model_name, dtype, data_dir)
-    settings = settings_or_exit(
-        EngineWorkerSettings, backend=backend, **_upstream(upstream_url), **overrides
-    )
+    settings = settings_or_exit(EngineWorkerSettings, **_engine(backend, upstream_url), **overrides)
     _require_kafka(settings)
     bus = wiring.make_bus(settings, client_id="sluice-engine-worker")
     configure_process_tracing("sluice-engine")  # its hot path makes no spans (telemetry)

@@ -53,7 +53,7 @@ def test_serve_with_an_upstream_that_does_not_answer_is_503_naming_it(tmp_path: 
         upstream = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nobody listens
     port = free_port()
     args = serving_args("serve", port, tmp_path)
-    args += ["--backend", "upstream", "--upstream-url", upstream]
+    args += ["--upstream-url", upstream]  # the backend it implies: upstream
     proc = SluiceProcess(args, tmp_path / "serve.log", {"SLUICE_ENGINE_WAIT_S": "0.5"}).start()
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
     headers = {"Authorization": f"Bearer {API_KEY}"}
