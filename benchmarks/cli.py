@@ -243,12 +243,15 @@ def bench_faults(
     ] = None,
 ) -> None:
     """One row per fault (kill -9s, Kafka, Redis and PostgreSQL outages, a gateway kill,
-    a rolling restart of the engine workers):
+    a rolling restart of the engine workers, a broker kill -9 and restart on durable
+    storage):
     requests sent, completed, failed with a clear error, lost, duplicated or missing
     tokens, and the ledger against the engine's usage.
 
     Runs `sluice up` fleets on a Tansu broker it starts, a Redis of its own and the
-    PostgreSQL at $SLUICE_TEST_DATABASE_URL (a scratch database per fault).
+    PostgreSQL at $SLUICE_TEST_DATABASE_URL (a scratch database per fault); the broker
+    restart's Tansu keeps its data in an s3rver bucket (node and npm; s3rver is installed
+    into $SLUICE_S3RVER_DIR, default ~/.cache/sluice/s3rver, on first use).
     """
     from benchmarks.faults import render, run
 

@@ -124,6 +124,22 @@ def postgres_outage(fleet: Fleet) -> str:
     return _outage(fleet.pg_proxy, 5.0, "PostgreSQL")
 
 
+BROKER_DOWN_S = 2.0
+
+
+def broker_restart(fleet: Fleet) -> str:
+    """kill -9 the Tansu broker and start it again on the same storage and port, after
+    BROKER_DOWN_S in which every connection to it fails."""
+    assert fleet.broker is not None and fleet.s3 is not None, "needs a durable fleet"
+    victim = fleet.broker.pid
+    fleet.broker.kill()
+    time.sleep(BROKER_DOWN_S)
+    started = time.monotonic()
+    fleet.broker.start()
+    return (f"kill -9 Tansu broker {victim}, restarted on {fleet.broker.storage} after "
+            f"{BROKER_DOWN_S:.0f} s (listening in {time.monotonic() - started:.1f} s)")  # fmt: skip
+
+
 def redis_restart(fleet: Fleet) -> str:
     assert fleet.redis is not None
     fleet.redis.restart(down_s=2.0)
@@ -138,6 +154,7 @@ class Fault:
     # client hangs up), each billed exactly the tokens its client got (a kill -9's resumed
     # attempt may regenerate a few, and bill them)
     graceful: bool = False
+    durable: bool = False  # the broker keeps its data on disk (an s3rver bucket), not memory
 
 
 FAULTS = [
@@ -151,6 +168,8 @@ FAULTS = [
     Fault("gateway kill -9 mid-stream", ((0.4, kill_gateway),)),
     Fault("rolling restart (SIGTERM each engine worker in turn)", ((0.1, rolling_restart),),
           graceful=True),
+    Fault("broker kill -9 and restart (durable storage)", ((0.3, broker_restart),),
+          durable=True),
 ]  # fmt: skip
 
 
@@ -172,7 +191,7 @@ def run_fault(fault: Fault, total: int, max_tokens: int, workdir: Path | None) -
     root = workdir or Path(tempfile.mkdtemp(prefix="sluice-faults-"))
     db_name = f"sluice_faults_{uuid.uuid4().hex[:8]}"
     db_url = create_database(db_name)
-    fleet = Fleet(root / fault.name.split()[0].lower(), db_url)
+    fleet = Fleet(root / fault.name.split()[0].lower(), db_url, durable=fault.durable)
     try:
         fleet.start()
         load = Load(fleet.base_url, API_KEY, total=total, max_tokens=max_tokens)

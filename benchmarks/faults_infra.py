@@ -1,5 +1,8 @@
 """The parts the fault runs break: TCP proxies, a Redis of their own, a `sluice up` fleet.
 
+The fleet's Tansu broker keeps its data in memory, or, for the broker restart, in an
+s3rver bucket on disk (`benchmarks.s3_storage`) that outlives its process.
+
 Every process reaches Kafka, Redis and PostgreSQL through a `TcpProxy`, so an outage is
 `cut()` (listener and every link closed: connections reset, new ones refused) and
 `restore()`; Redis is a server of the run's own that can be restarted for real.
@@ -23,8 +26,9 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
+from benchmarks.s3_storage import S3rver
 from sluice.settings import BusSettings, load_settings
-from sluice.tansu import free_port, tansu_binary, wait_for_port
+from sluice.tansu import MEMORY_STORAGE, TansuBroker, free_port, wait_for_port
 
 
 class TcpProxy:
@@ -124,36 +128,19 @@ class RedisServer:
         self.start()
 
 
-@dataclass
-class Broker:
-    """Tansu (in-memory storage) on its own port; clients are told the proxy's."""
+class Broker(TansuBroker):
+    """Tansu on its own port, clients told the proxy's (`advertised_port`); in-memory
+    storage, or `storage` with its `env` (an s3rver's bucket, `benchmarks.s3_storage`)."""
 
-    advertised_port: int
-    log: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Broker:
-        out = open(self.log, "ab")  # noqa: SIM115 - the broker writes to it until stopped
-        self.proc = subprocess.Popen(
-            [str(tansu_binary(load_settings(BusSettings).tansu_bin)), "broker",
-             "--listener-url", f"tcp://127.0.0.1:{self.port}",
-             "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}",
-             "--storage-engine", "memory://tansu/"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_for_port("127.0.0.1", self.port, 15.0)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def __init__(
+        self,
+        advertised_port: int,
+        log: Path,
+        storage: str = MEMORY_STORAGE,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(log_path=log, binary=load_settings(BusSettings).tansu_bin,
+                         storage=storage, env=env, advertised_port=advertised_port)  # fmt: skip
 
 
 API_KEY = "sk-faults"
@@ -167,9 +154,11 @@ class Fleet:
     database_url: str
     engine_workers: int = 2
     env: dict[str, str] = field(default_factory=dict)  # more for `sluice up` and its children
+    durable: bool = False  # the broker's storage: an s3rver's bucket, else its memory
     port: int = field(default_factory=free_port)
     kafka: TcpProxy | None = None
     broker: Broker | None = None
+    s3: S3rver | None = None
     redis: RedisServer | None = None
     redis_proxy: TcpProxy | None = None
     pg_proxy: TcpProxy | None = None
@@ -187,7 +176,12 @@ class Fleet:
     def start(self, timeout_s: float = 240.0) -> Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         kafka_port = free_port()
-        self.broker = Broker(kafka_port, self.workdir / "tansu.log").start()
+        storage, broker_env = MEMORY_STORAGE, {}
+        if self.durable:
+            self.s3 = S3rver(self.workdir / "s3").start(self.workdir / "s3rver.log")
+            storage, broker_env = self.s3.storage, self.s3.tansu_env()
+        self.broker = Broker(kafka_port, self.workdir / "tansu.log", storage, broker_env)
+        self.broker.start()
         self.kafka = TcpProxy(self.broker.port, port=kafka_port)
         self.redis = RedisServer().start()
         self.redis_proxy = TcpProxy(self.redis.port)
@@ -281,6 +275,8 @@ class Fleet:
                 part.close()
         if self.broker is not None:
             self.broker.stop()
+        if self.s3 is not None:
+            self.s3.stop()
         if self.redis is not None:
             self.redis.stop()
 

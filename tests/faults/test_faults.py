@@ -4,7 +4,8 @@ Fewer requests per fault than the benchmark's 1,000 (CI runs on 2 cores); the sa
 Goal for every row: nothing lost, no duplicated or missing tokens at the clients, the
 ledger equal to the engine's usage records and to the usage the clients were shown; a
 graceful fault (the rolling restart) fails nothing and bills each completed request
-exactly what its client got.
+exactly what its client got. The broker restart runs Tansu on an s3rver bucket
+(`benchmarks.s3_storage`: node and npm, s3rver installed into a cache on first use).
 """
 
 from __future__ import annotations
@@ -13,17 +14,35 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import FAULTS, render, run_fault
+from benchmarks.faults import FAULTS, Fault, render, run_fault
+from benchmarks.s3_storage import S3rverMissing, ensure_s3rver
+from tests.services import service_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleet_services")]
 
 REQUESTS = 300
 
 
+def _known(fault: Fault) -> list[pytest.MarkDecorator]:
+    """A row known to miss its goal: strict, so reaching it fails the test until unmarked."""
+    if fault.durable:
+        reason = (
+            "Tansu on an s3rver bucket does not keep up with the suite's load: the "
+            "gateway's publishes time out (503), streams are lost (architecture.md §9)"
+        )
+        return [pytest.mark.xfail(strict=True, reason=reason)]
+    return []
+
+
 # a row runs ~1 minute here; CI's slower cores once took past the suite's 300 s default
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+@pytest.mark.parametrize("fault", [pytest.param(f, id=f.name, marks=_known(f)) for f in FAULTS])
 def test_fault(fault, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    if fault.durable:  # the broker's storage is an s3rver bucket: node, npm and s3rver
+        try:
+            ensure_s3rver()
+        except S3rverMissing as exc:
+            service_missing(str(exc))
     row = run_fault(fault, REQUESTS, 16, tmp_path)
     table = render({"rows": [row]})
     print(f"{fault.name}: load {row['seconds']} s, settling {row['settle_seconds']} s")
