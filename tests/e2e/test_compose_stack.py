@@ -29,7 +29,9 @@ MODEL = "tiny-llama"
 PROMPT = [5, 6, 7, 8]
 MAX_TOKENS = 2040  # the context (2048) less the prompt: still running when the kill comes
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
-ENV = {**os.environ, "SLUICE_API_KEYS": API_KEY}
+# float32, the exact path: the kill test compares a resumed stream with an uninterrupted
+# run, which bf16's batch-dependent rounding does not reproduce (docs/architecture.md §7)
+ENV = {**os.environ, "SLUICE_API_KEYS": API_KEY, "SLUICE_DTYPE": "float32"}
 
 
 def compose(*args: str, timeout_s: float = 900) -> str:
@@ -208,12 +210,6 @@ def cpu_ticks(pids: list[int]) -> int:
     return total
 
 
-@pytest.mark.xfail(
-    reason="open: after the kill the stream's text differs from the alone run near its "
-    "end (a few characters more, the same token count); a repeat of delivered text or a "
-    "resumed decode that diverges, not yet told apart",
-    strict=False,
-)
 def test_a_killed_engine_container_loses_no_token(stack: openai.OpenAI) -> None:
     # one stream, alone on its engine both times: a greedy run's tokens depend on what else
     # shares its decode batch, so only an alone run is the reference of an alone run
