@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sluice.bus.memory import MemoryEventBus
-from sluice.bus.messages import GenerateRequest, SamplingSpec
+from sluice.bus.messages import ENGINE_UNAVAILABLE, GenerateRequest, SamplingSpec
 from sluice.consumers.engine_worker import EngineWorkerConfig, RestartBackoff
 from sluice.consumers.progress import MemoryProgressStore
 from sluice.engine.backends.base import EngineDeadError, EngineDelta
@@ -170,6 +170,10 @@ def test_a_worker_whose_engine_will_not_start_gives_up_unhealthy() -> None:
     engine.crash()
     client.wait_finished(["r"])
     assert client.view.streams["r"].finish_reason == "error"
+    # what it held is answered as unavailable (a 503), naming what took the engine down
+    last = client.view.streams["r"].deltas[-1]
+    assert last.error_code == ENGINE_UNAVAILABLE
+    assert last.error == "no engine is up: the engine died"
     worker.thread.join(10.0)
     assert isinstance(worker.error, EngineDeadError)
     assert not worker.worker.stats.healthy and not worker.worker.health()

@@ -76,19 +76,3 @@ def test_a_dead_engine_not_back_within_the_wait_fails_its_requests_then_serves_a
     after = _terminal(client, "after")
     assert after.finish_reason == "length" and after.error_code is None
     worker.stop()
-
-
-def test_a_worker_that_gives_up_answers_what_it_held_unavailable() -> None:
-    bus = MemoryEventBus()
-    create_topics(bus, request_partitions=1)
-    client = Client(bus)
-    engine = RestartableFakeBackend(failed_starts=3, step_s=0.005)
-    config = fast_restarts(engine_max_failed_starts=3, engine_restart_max_s=0.1)
-    worker = WorkerThread(bus, engine, config).start()
-    client.send(make_request("r", max_tokens=10_000))
-    client.wait(lambda: len(engine._running) == 1, 5, "for it to run")
-    engine.crash()
-    client.wait_finished(["r"])
-    _assert_unavailable(_terminal(client, "r"), "the engine died")
-    worker.thread.join(10.0)
-    assert isinstance(worker.error, EngineDeadError)
