@@ -21,7 +21,8 @@ def check_chat(client: openai.OpenAI) -> str:
     return choice.message.content
 
 
-def check_chat_stream(client: openai.OpenAI, expected: str) -> None:
+def check_chat_stream(client: openai.OpenAI, expected: str) -> openai.types.CompletionUsage:
+    """The stream of `check_chat`'s call says the same; its usage (what the client is told)."""
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Say something."}],
@@ -41,6 +42,7 @@ def check_chat_stream(client: openai.OpenAI, expected: str) -> None:
     assert text == expected  # greedy: the stream says what the plain call said
     assert finish == "length"
     assert usage is not None and usage.completion_tokens == 8
+    return usage
 
 
 def check_completions_with_token_ids(client: openai.OpenAI) -> None:

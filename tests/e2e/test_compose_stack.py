@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.e2e.sdk_checks import check_chat, check_chat_stream
 from tests.services import service_missing
 from tests.waiting import wait_until
 
@@ -106,31 +107,10 @@ class Usage:
 
 
 def test_chat_stream_and_batch_through_the_gateway(stack: openai.OpenAI) -> None:
-    reply = stack.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Say something."}],
-        max_tokens=8,
-        temperature=0,
-    )
-    assert reply.usage is not None and reply.usage.completion_tokens == 8
-    assert reply.choices[0].message.content
-    Usage.add(reply.usage.prompt_tokens, reply.usage.completion_tokens)
-
-    stream = stack.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Say something."}],
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, usage = "", None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-    assert text == reply.choices[0].message.content
-    assert usage is not None and usage.completion_tokens == 8
+    text = check_chat(stack)
+    usage = check_chat_stream(stack, text)
+    # the plain call had the stream's prompt and 8 tokens (check_chat asserts them)
+    Usage.add(usage.prompt_tokens, 8)
     Usage.add(usage.prompt_tokens, usage.completion_tokens)
 
     lines = [
