@@ -2,7 +2,8 @@
 
 `create_app` wires what the composition root (`sluice/`) built: settings, the bus, the
 served models, the authenticator, with a tenant store the `AdmissionService`, and with
-a database the `BatchControl` behind the Files and Batches routes. The
+a database the `BatchControl` behind the Files and Batches routes and, with the tenant
+store's database, the `ResponseKeeper` behind stored and background responses. The
 app starts the `GatewayService` (the reply consumer) in its lifespan and stops it on
 shutdown; it does not close the admission service (its owner does).
 """
@@ -29,9 +30,11 @@ from sluice.api.routes.batches import BatchControl
 from sluice.api.served import ModelCatalog, ServedModel
 from sluice.api.server_span import ServerSpanMiddleware
 from sluice.api.service import GatewayService
+from sluice.api.stored_responses import ResponseKeeper
 from sluice.api.tenancy import GatewayAdmission, TenantAuthenticator
 from sluice.billing.admission import AdmissionService
 from sluice.bus.base import EventBus
+from sluice.storage.responses import ResponseStore
 
 
 class GatewayConfig(Protocol):
@@ -75,6 +78,8 @@ class GatewayConfig(Protocol):
     def ws_allowed_origins(self) -> Sequence[str]: ...
     @property
     def trace_content(self) -> bool: ...
+    @property
+    def response_retention_days(self) -> float: ...
 
 
 def request_limits(settings: GatewayConfig) -> RequestLimits:
@@ -113,13 +118,22 @@ def create_app(
         heartbeat_s=settings.heartbeat_s,
     )
     limits = request_limits(settings)
+    # stored responses live beside the tenants: every gateway on that database reads them
+    keeper = None
+    if admission is not None:
+        retention_s = int(settings.response_retention_days * 86_400)
+        keeper = ResponseKeeper(ResponseStore(admission.auth.db), service, retention_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        if keeper is not None:
+            await keeper.start()
         try:
             yield
         finally:
+            if keeper is not None:
+                await keeper.stop()
             await service.stop()
 
     app = FastAPI(
@@ -150,6 +164,7 @@ def create_app(
     app.state.authenticator = authenticator or static
     app.state.ws_allowed_origins = settings.ws_allowed_origins
     app.state.batches = batches
+    app.state.responses = keeper
     install_error_handlers(app)
     v1 = (model_routes, chat, completions, responses, usage, files, batch_routes)
     for module in (health, *v1, admin, dashboard):

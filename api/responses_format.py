@@ -8,7 +8,8 @@ response.in_progress, then per item response.output_item.added, its own deltas
 (response.content_part.added, response.output_text.delta…, .done,
 response.content_part.done; response.reasoning_text.delta…, .done;
 response.function_call_arguments.delta…, .done) and response.output_item.done, then
-response.completed, response.incomplete (max_output_tokens) or response.failed. A plain
+response.completed, response.incomplete (max_output_tokens), response.failed, or for a
+background response cancelled while it ran response.cancelled (status "cancelled"). A plain
 answer opens its message at once; with tools or reasoning an item opens when its first
 text arrives, and an answer with no item at all gets an empty message.
 """
@@ -16,7 +17,7 @@ text arrives, and an answer with no item at all gets an empty message.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sluice.api.errors import APIError, InvalidRequest, error_for_finish
@@ -59,6 +60,8 @@ class ResponsesFormat:
         num_prompt_tokens: int,
         plan: OutputPlan | None = None,
         tokenizer: Tokenizer | None = None,
+        *,
+        stored: bool = False,
     ) -> None:
         self.call_id = call_id
         self.id = f"resp_{call_id}"
@@ -69,6 +72,7 @@ class ResponsesFormat:
         self.plan = plan or OutputPlan()
         self.tokenizer = tokenizer  # counts reasoning tokens
         self.created_at = int(time.time())
+        self.stored = stored  # kept in the response store (`store`, `background`)
         self._seq = 0
 
     # -- objects --------------------------------------------------------------------
@@ -145,10 +149,11 @@ class ResponsesFormat:
             "model": body.model,
             "output": output or [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": None,
             "service_tier": self.tier,
-            "store": False,
+            "store": self.stored,
+            "background": bool(body.background),
             "temperature": body.temperature,
             "text": {"format": text_format},
             "tool_choice": body.tool_choice or "auto",
@@ -194,9 +199,14 @@ class ResponsesFormat:
         return event
 
     async def events(
-        self, generation: Generation, ping_s: float
+        self,
+        generation: Generation,
+        ping_s: float,
+        cancelled: Callable[[], bool] | None = None,
     ) -> AsyncIterator[dict[str, Any] | None]:
-        """Stream events of one generation; None when a keep-alive is due."""
+        """Stream events of one generation; None when a keep-alive is due. `cancelled`
+        says whether an abort is a cancel the client asked for (a background response):
+        the stream then ends with response.cancelled, its output as far as it got."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
         items = _ItemStream(self)
@@ -216,6 +226,15 @@ class ResponsesFormat:
             for piece in pieces:
                 for event in items.piece(piece):
                     yield event
+        if finish == "abort" and cancelled is not None and cancelled():
+            for event in items.close("incomplete", final=True):
+                yield event
+            usage = self.usage(
+                generation.num_completion_tokens, generation.num_cached_tokens, reader.reasoning
+            )
+            final = self.response("cancelled", items.done, usage)
+            yield self.event("response.cancelled", response=final)
+            return
         error = error_for_finish(finish or "error", detail, code)
         if finish is None:
             error = error or APIError("the stream ended without a finish")
@@ -346,3 +365,38 @@ class _ItemStream:
         self.done.append(item)
         self._open = None
         return out
+
+
+# -- stored input (input_items, previous_response_id) -------------------------------------
+def input_items(body: ResponsesRequest, call_id: str) -> list[dict[str, Any]]:
+    """The request's input as the items `GET /v1/responses/{id}/input_items` lists: a
+    string is one user message; each item gets an id when it has none."""
+    if isinstance(body.input, str):
+        part = {"type": "input_text", "text": body.input}
+        message = {"type": "message", "role": "user", "content": [part]}
+        return [{"id": f"msg_{call_id}_in0", **message, "status": "completed"}]
+    items = []
+    for i, item in enumerate(body.input):
+        value = item.model_dump(exclude_none=True)
+        value.setdefault("id", f"item_{call_id}_in{i}")
+        items.append(value)
+    return items
+
+
+def as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored input or output item in the shape a request's `input` takes (for
+    `previous_response_id`): ids, statuses and annotations dropped."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [{"type": p.get("type"), "text": p.get("text", "")} for p in content]
+        return {"type": "message", "role": item.get("role"), "content": content}
+    keys: tuple[str, ...]
+    if kind == "function_call":
+        keys = ("type", "call_id", "name", "arguments")
+    elif kind == "function_call_output":
+        keys = ("type", "call_id", "output")
+    else:
+        keys = ("type",)
+    return {k: item[k] for k in keys if k in item}

@@ -195,19 +195,25 @@ class GatewayService:
                 continue
             track.done = True
             self._tracks.pop(track.request_id, None)
-            message = Cancel(
-                request_id=track.request_id, tenant_id=generation.tenant_id, reason=reason
+            self._publish_cancel(track.request_id, generation.tenant_id, reason)
+
+    def cancel_and_follow(self, generation: Generation, reason: str) -> None:
+        """Publish a Cancel for every unfinished sub-request but keep routing its deltas:
+        the engine's terminal delta (`abort`, with the tokens generated until the Cancel
+        landed) still ends the generation, so its caller shows what the engine bills."""
+        for track in generation.tracks:
+            if not track.done:
+                self._publish_cancel(track.request_id, generation.tenant_id, reason)
+
+    def _publish_cancel(self, request_id: str, tenant_id: str, reason: str) -> None:
+        message = Cancel(request_id=request_id, tenant_id=tenant_id, reason=reason)
+        try:
+            self.bus.publish(
+                CONTROL_TOPIC, encode(message), key=tenant_id.encode(), headers=inject_headers()
             )
-            try:
-                self.bus.publish(
-                    CONTROL_TOPIC,
-                    encode(message),
-                    key=generation.tenant_id.encode(),
-                    headers=inject_headers(),
-                )
-            except BusError as exc:  # the engine's deadline still bounds the waste
-                logger.warning("cancel not published request_id=%s: %s", track.request_id, exc)
-            logger.info("cancelled request_id=%s reason=%s", track.request_id, reason)
+        except BusError as exc:  # the engine's deadline still bounds the waste
+            logger.warning("cancel not published request_id=%s: %s", request_id, exc)
+        logger.info("cancelled request_id=%s reason=%s", request_id, reason)
 
     def _await_terminals(self, requests: Sequence[GenerateRequest]) -> None:
         now = time.monotonic()

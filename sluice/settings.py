@@ -365,6 +365,12 @@ class GatewaySettings(Settings):
         " (the client stopped reading) is closed, its stream cancelled (billed for what"
         " ran)",
     )
+    response_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description="stored responses (the Responses API's store, background) are deleted"
+        " this many days after they were created",
+    )
     ws_max_pending: int = Field(
         default=64,
         ge=1,

@@ -1,4 +1,5 @@
-"""The SQL tables: tenants, plans, keys, prices, the usage ledger, files, batches and lines.
+"""The SQL tables: tenants, plans, keys, prices, the usage ledger, files, batches and lines,
+stored responses and their events.
 
 Money is integers, never floats: budgets and prices in micro-dollars (1e-6 USD; prices
 per million tokens), ledger costs in pico-dollars (1e-12 USD) so that
@@ -196,3 +197,39 @@ class BatchLineRow(Base):
     state: Mapped[str] = mapped_column(sa.String(16), default="pending")
     ok: Mapped[bool | None] = mapped_column(sa.Boolean)  # True: output file; False: error file
     result: Mapped[str | None] = mapped_column(sa.Text)  # the output or error line, as JSON
+
+
+# -- stored responses (the Responses API's `store` and `background`) ----------------------
+# Times are epoch seconds, as the OpenAI objects carry them.
+
+
+class ResponseRow(Base):
+    """A stored response: its object as last written, the input it ran on, who runs it."""
+
+    __tablename__ = "responses"
+    __table_args__ = (sa.Index(None, "status", "lease_until"), sa.Index(None, "created_at"))
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.String(100))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    background: Mapped[bool] = mapped_column(sa.Boolean)
+    body: Mapped[dict[str, object]] = mapped_column(sa.JSON)  # the response object
+    input_items: Mapped[list[dict[str, object]]] = mapped_column(sa.JSON)
+    created_at: Mapped[int] = mapped_column(sa.BigInteger)
+    # a running background response: the gateway running it renews its lease; once the
+    # lease lapses (that gateway died) any gateway's sweep fails the response
+    owner: Mapped[str | None] = mapped_column(sa.String(64))
+    lease_until: Mapped[int | None] = mapped_column(sa.BigInteger)
+    cancel_requested: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+
+
+class ResponseEventRow(Base):
+    """One stream event of a background response, numbered as it was first sent."""
+
+    __tablename__ = "response_events"
+
+    response_id: Mapped[str] = mapped_column(
+        sa.ForeignKey("responses.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    event: Mapped[dict[str, object]] = mapped_column(sa.JSON)

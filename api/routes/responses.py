@@ -1,4 +1,9 @@
-"""`POST /v1/responses` (text and function tools) and its WebSocket mode on the same path.
+"""`/v1/responses`: create (text and function tools), stored responses, the WebSocket mode.
+
+Stored and background responses (`store`, default true; `background`;
+`previous_response_id`; `GET`, `cancel`, `DELETE` and `input_items` by id) go through the
+app's `ResponseKeeper` (`api.stored_responses`), present when the gateway has a database.
+A response of another tenant reads as missing (404), never as forbidden.
 
 The WebSocket mode is OpenAI's (the API reference's Responses WebSocket mode;
 openai-python `resources/responses/responses.py::connect`): `response.create` events in, the
@@ -12,28 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request, WebSocket
+from fastapi import APIRouter, Depends, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
+from starlette.requests import HTTPConnection
 
 from sluice.api import output, prepare, structured, tools
-from sluice.api.auth import Principal, authenticate
+from sluice.api.auth import Principal, authenticate, require_principal
 from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from sluice.api.errors import APIError
+from sluice.api.errors import APIError, InvalidRequest, ServiceUnavailable
 from sluice.api.output import OutputPlan
 from sluice.api.prepare import Call
-from sluice.api.responses_format import ResponsesFormat, text_format_type
+from sluice.api.responses_format import ResponsesFormat, as_input, input_items, text_format_type
 from sluice.api.routes import chat
 from sluice.api.schemas import (
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
+    ResponseInputItem,
     ResponseInputMessage,
     ResponsesRequest,
 )
 from sluice.api.served import ServedModel
+from sluice.api.stored_responses import TERMINAL, ResponseKeeper, not_found
 from sluice.api.streaming import (
     PING,
     SSEResponse,
@@ -102,10 +111,6 @@ def build(
     body: ResponsesRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> Call:
     model = gw.models.get(body.model)
-    if body.previous_response_id:
-        raise prepare.refuse("previous_response_id", "responses are not stored by this server")
-    if body.background:
-        raise prepare.refuse("background", "background responses are not supported")
     text_format_type(body.text)  # checks its shape
     plan = _tools(body)
     spec = structured.response_format_spec((body.text or {}).get("format"), "text.format")
@@ -135,6 +140,47 @@ def build(
     )
 
 
+_ITEMS = TypeAdapter(list[ResponseInputItem])
+# Ids Sluice hands out (`resp_<hex>`) fit this; anything else names no response and is
+# never sent to the database (PostgreSQL refuses NUL and lone surrogates with an error).
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def response_keeper(conn: HTTPConnection) -> ResponseKeeper | None:
+    keeper: ResponseKeeper | None = getattr(conn.app.state, "responses", None)
+    return keeper
+
+
+def _keeper_for(conn: HTTPConnection, param: str) -> ResponseKeeper:
+    keeper = response_keeper(conn)
+    if keeper is None:
+        raise ServiceUnavailable(
+            f"{param} needs stored responses, which need the database: set"
+            " SLUICE_DATABASE_URL for `sluice gateway`, or run `sluice serve`",
+            code="responses_unavailable",
+        )
+    return keeper
+
+
+async def _continued(
+    body: ResponsesRequest, keeper: ResponseKeeper, tenant_id: str, own: list[dict[str, Any]]
+) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
+    """`previous_response_id`: the body whose input is the previous response's input
+    items and output, then its own input (instructions are not carried over, as
+    OpenAI's), and the items that input is stored as."""
+    assert body.previous_response_id is not None
+    if _ID.fullmatch(body.previous_response_id) is None:
+        raise not_found(body.previous_response_id)
+    items = [*await keeper.previous_items(body.previous_response_id, tenant_id), *own]
+    try:
+        combined = _ITEMS.validate_python([as_input(item) for item in items])
+    except ValidationError as exc:
+        raise InvalidRequest(
+            "the previous response's items cannot be continued", param="previous_response_id"
+        ) from exc
+    return body.model_copy(update={"input": combined}), items
+
+
 @router.post("/responses", response_model=None)
 async def create_response(
     body: ResponsesRequest,
@@ -143,6 +189,16 @@ async def create_response(
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
     cid = call_id(request)
+    keeper = response_keeper(request)
+    if body.background and body.store is False:
+        raise InvalidRequest("background responses need store=true", param="store")
+    if body.background:
+        keeper = _keeper_for(request, "background")
+    items = input_items(body, cid)
+    if body.previous_response_id:
+        keeper = _keeper_for(request, "previous_response_id")
+        body, items = await _continued(body, keeper, principal.tenant_id, items)
+    stored = keeper is not None and body.store is not False
     call = await build_off_loop_if_large(
         request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
     )
@@ -155,22 +211,118 @@ async def create_response(
         call.num_prompt_tokens,
         output_plan(body, model),
         model.tokenizer,
+        stored=stored,
     )
+    if body.background:
+        assert keeper is not None
+        queued = await keeper.run_background(
+            fmt, generation, principal.tenant_id, items, gw.sse_ping_s
+        )
+        if body.stream:
+            return SSEResponse(_sse(await keeper.follow(fmt.id, principal.tenant_id, -1)))
+        return JSONResponse(queued)
+    keep = keeper.keep if stored and keeper is not None else None
     if body.stream:
-        return SSEResponse(_sse(fmt.events(generation, gw.sse_ping_s), generation.abandon))
+        events = fmt.events(generation, gw.sse_ping_s)
+        if keep is not None:
+            events = _kept(events, lambda final: keep(final, principal.tenant_id, items))
+        return SSEResponse(_sse(events, generation.abandon))
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     final = fmt.final(results[0], generation.num_completion_tokens, generation.num_cached_tokens)
+    if keep is not None:
+        await keep(final, principal.tenant_id, items)
     return JSONResponse(final)
 
 
-async def _sse(events: AsyncIterator[dict[str, Any] | None], abandon: Any) -> AsyncIterator[str]:
+async def _sse(
+    events: AsyncIterator[dict[str, Any] | None], abandon: Any = None
+) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield PING if event is None else sse_event(event)
     finally:
-        abandon()
+        if abandon is not None:
+            abandon()
+
+
+async def _kept(
+    events: AsyncIterator[dict[str, Any] | None],
+    keep: Callable[[dict[str, Any]], Awaitable[None]],
+) -> AsyncIterator[dict[str, Any] | None]:
+    """The events; the response of the last one is stored before it goes out."""
+    async for event in events:
+        if event is not None and event["type"] in TERMINAL:
+            await keep(event["response"])
+        yield event
+
+
+# -- stored responses --------------------------------------------------------------------
+def _stored_keeper(conn: HTTPConnection, response_id: str) -> ResponseKeeper:
+    """The keeper, for an id that may name a stored response; 404 otherwise."""
+    keeper = response_keeper(conn)
+    if keeper is None or _ID.fullmatch(response_id) is None:
+        raise not_found(response_id)
+    return keeper
+
+
+@router.get("/responses/{response_id}", response_model=None)
+async def retrieve_response(
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: int | None = Query(default=None, ge=-1),
+    principal: Principal = Depends(require_principal),
+) -> Response | dict[str, Any]:
+    keeper = _stored_keeper(request, response_id)
+    if stream:
+        after = -1 if starting_after is None else starting_after
+        return SSEResponse(_sse(await keeper.follow(response_id, principal.tenant_id, after)))
+    return (await keeper.get(response_id, principal.tenant_id)).body
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, request: Request, principal: Principal = Depends(require_principal)
+) -> dict[str, Any]:
+    keeper = _stored_keeper(request, response_id)
+    return await keeper.cancel(response_id, principal.tenant_id)
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(
+    response_id: str, request: Request, principal: Principal = Depends(require_principal)
+) -> dict[str, Any]:
+    keeper = _stored_keeper(request, response_id)
+    await keeper.delete(response_id, principal.tenant_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    principal: Principal = Depends(require_principal),
+) -> dict[str, Any]:
+    keeper = _stored_keeper(request, response_id)
+    items = (await keeper.get(response_id, principal.tenant_id)).input_items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 @router.websocket("/responses")
@@ -195,6 +347,9 @@ async def responses_websocket(websocket: WebSocket) -> None:
             gw.rate_gate.check(principal)  # as `screened_principal` does for HTTP
             gw.check_input_size(payload)
             body = ResponsesRequest.model_validate(payload)
+            for field in ("background", "previous_response_id"):  # stored over HTTP only
+                if getattr(body, field):
+                    raise prepare.refuse(field, "the WebSocket mode does not store responses")
             call = await asyncio.to_thread(build, body, websocket.headers, principal, gw, cid)
             generation = await gw.submit(websocket, principal, call.requests, call.deadline_ms)
         except ValidationError as exc:

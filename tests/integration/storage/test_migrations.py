@@ -13,7 +13,7 @@ from tests.integration.storage.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 
 TABLES = {"plans", "tenants", "api_keys", "model_prices", "usage_ledger", "files", "batches"}
-TABLES |= {"batch_lines"}
+TABLES |= {"batch_lines", "responses", "response_events"}
 
 
 def tables(engine: sa.Engine) -> set[str]:

@@ -1,0 +1,309 @@
+"""`ResponseKeeper`: stored and background responses of the Responses API, per gateway.
+
+Sits between the `/v1/responses` routes and the response store (`storage.responses`):
+
+- `store` (default true, as OpenAI's): a finished response is kept with its input, so
+  `GET /v1/responses/{id}`, its input items and `previous_response_id` read it back.
+- `background`: the response runs as a task of the gateway that took it, which writes
+  its events to the store as they come (a few at a time) and holds a lease on its row.
+  `follow` replays the stored events after N and follows live: from this gateway's
+  memory when it runs the response here, else by polling the store, so any gateway
+  serves any stored response.
+- A gateway that died leaves its running responses leased to nobody: every gateway's
+  sweep fails those whose lease lapsed (status "failed", a clear error, a last
+  `response.failed` event), so a restart never leaves one `in_progress` forever. They
+  are not run again: the tokens already streamed to a follower were billed, and a rerun
+  would bill and show a different answer. The sweep also deletes responses past the
+  retention.
+- Cancel: on this gateway the engine's Cancel goes out at once
+  (`GatewayService.cancel_and_follow`); the engine's terminal delta then ends the
+  response with the usage the engine bills. For a response another gateway runs, the
+  request is marked in the store and that gateway's sweep acts on it.
+
+Store calls are synchronous (SQL), so they run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sluice.api.errors import APIError, InvalidRequest, NotFound
+from sluice.api.generation import Generation
+from sluice.api.responses_format import ResponsesFormat
+from sluice.api.service import GatewayService
+from sluice.storage.responses import ResponseStore, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+LEASE_S = 15  # a running response's lease; renewed every SWEEP_S
+SWEEP_S = 5.0
+FLUSH_S = 0.1  # events are written at most this long after they were sent
+POLL_S = 0.25  # a follower of a response run by another gateway reads the store this often
+CANCEL_WAIT_S = 10.0  # how long a cancel waits for the response to end
+TERMINAL = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+)
+ORPHANED = {
+    "code": "server_error",
+    "message": "the server running this background response stopped before it finished;"
+    " create the response again",
+}
+
+
+def not_found(response_id: str) -> NotFound:
+    return NotFound(f"No response found with id '{response_id}'.", param="response_id")
+
+
+class _Run:
+    """A background response running on this gateway: its events so far, for followers."""
+
+    def __init__(self, response_id: str, generation: Generation) -> None:
+        self.response_id = response_id
+        self.generation = generation
+        self.events: list[dict[str, Any]] = []
+        self.cancel_requested = False
+        self.ended = asyncio.Event()
+        self._changed = asyncio.Event()
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class ResponseKeeper:
+    def __init__(self, store: ResponseStore, service: GatewayService, retention_s: int) -> None:
+        self.store = store
+        self.service = service
+        self.retention_s = retention_s
+        self._runs: dict[str, _Run] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        """Stop sweeping; the running responses end with the service (it ends their
+        generations), and their rows are failed by a later sweep once the lease lapses."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:  # a database outage: the next sweep tries again
+                logger.exception("response sweep failed")
+            await asyncio.sleep(SWEEP_S)
+
+    async def sweep(self) -> None:
+        """Renew this gateway's leases (acting on cancels asked elsewhere), fail the
+        responses whose gateway died, delete those past the retention."""
+        store, owner = self.store, self.service.gateway_id
+        cancelled = await asyncio.to_thread(store.renew, owner, list(self._runs), LEASE_S)
+        for response_id in cancelled:
+            self._cancel_local(response_id)
+        failed = await asyncio.to_thread(store.fail_orphans, ORPHANED)
+        for response_id in failed:
+            logger.warning("background response %s failed: its gateway stopped", response_id)
+        await asyncio.to_thread(store.delete_expired, self.retention_s)
+
+    # -- creating -------------------------------------------------------------------
+    async def get(self, response_id: str, tenant_id: str) -> StoredResponse:
+        stored = await asyncio.to_thread(self.store.get, response_id, tenant_id)
+        if stored is None:
+            raise not_found(response_id)
+        return stored
+
+    async def previous_items(self, response_id: str, tenant_id: str) -> list[dict[str, Any]]:
+        """What a response continuing `response_id` runs on before its own input: that
+        response's input items and its output."""
+        previous = await self.get(response_id, tenant_id)
+        if not previous.finished:
+            raise InvalidRequest(
+                f"Previous response with id '{response_id}' is still {previous.status}; wait"
+                " for it to finish.",
+                param="previous_response_id",
+            )
+        return [*previous.input_items, *previous.body.get("output", [])]
+
+    async def keep(
+        self, response: dict[str, Any], tenant_id: str, items: list[dict[str, Any]]
+    ) -> None:
+        """Store a finished (not background) response."""
+        await asyncio.to_thread(self.store.create, response, tenant_id, items, background=False)
+
+    async def run_background(
+        self,
+        fmt: ResponsesFormat,
+        generation: Generation,
+        tenant_id: str,
+        items: list[dict[str, Any]],
+        ping_s: float,
+    ) -> dict[str, Any]:
+        """Store the queued response and run it as a task; the queued object."""
+        queued = fmt.response("queued")
+        owner = self.service.gateway_id
+        try:
+            await asyncio.to_thread(
+                self.store.create, queued, tenant_id, items, background=True,
+                owner=owner, lease_s=LEASE_S,
+            )  # fmt: skip
+        except BaseException:
+            generation.abandon("response not stored")
+            raise
+        run = self._runs[fmt.id] = _Run(fmt.id, generation)
+        task = asyncio.create_task(self._run(run, fmt, ping_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return queued
+
+    async def _run(self, run: _Run, fmt: ResponsesFormat, ping_s: float) -> None:
+        pending: list[dict[str, Any]] = []
+        flushed_at = time.monotonic()
+        final: dict[str, Any] | None = None
+        try:
+            events = fmt.events(run.generation, ping_s, lambda: run.cancel_requested)
+            async for event in events:
+                body = None
+                if event is not None:
+                    run.add(event)
+                    pending.append(event)
+                    if event["type"] in TERMINAL:
+                        final = event["response"]
+                    elif event["type"] == "response.in_progress":
+                        body = event["response"]
+                due = time.monotonic() - flushed_at >= FLUSH_S
+                if pending and (body is not None or final is not None or due):
+                    await asyncio.to_thread(
+                        self.store.write, fmt.id, final or body, pending, finished=final is not None
+                    )
+                    pending, flushed_at = [], time.monotonic()
+        except Exception as exc:
+            logger.exception("background response %s failed", fmt.id)
+            if final is None:
+                error = exc if isinstance(exc, APIError) else APIError("the response failed")
+                failed = fmt.event("response.failed", response=fmt.response("failed", error=error))
+                run.add(failed)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(
+                        self.store.write, fmt.id, failed["response"], [*pending, failed],
+                        finished=True,
+                    )  # fmt: skip
+        finally:
+            run.generation.abandon("background response ended")
+            self._runs.pop(fmt.id, None)
+            run.end()
+
+    # -- reading ----------------------------------------------------------------------
+    async def follow(
+        self, response_id: str, tenant_id: str, after: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The response's stream events numbered above `after`, then the live ones until
+        its end. Raises NotFound, or InvalidRequest for a response not run in background."""
+        stored = await self.get(response_id, tenant_id)
+        if not stored.background:
+            raise InvalidRequest(
+                "This response cannot be streamed because it was not created with background=true.",
+                param="stream",
+            )
+        return self._follow(response_id, tenant_id, after)
+
+    async def _follow(
+        self, response_id: str, tenant_id: str, after: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        run = self._runs.get(response_id)
+        if run is not None:  # here every event since the first is in memory, by number
+            while True:
+                if len(run.events) > after + 1:
+                    event = run.events[after + 1]
+                    yield event
+                    after = event["sequence_number"]
+                    if event["type"] in TERMINAL:
+                        return
+                elif run.ended.is_set():
+                    break
+                else:
+                    await run.changed()  # no await since the check: no wake-up is missed
+        while True:  # run elsewhere, or ended here meanwhile: the store has every event
+            events = await asyncio.to_thread(self.store.events_after, response_id, tenant_id, after)
+            for event in events:
+                yield event
+                after = event["sequence_number"]
+                if event["type"] in TERMINAL:
+                    return
+            if not events:
+                stored = await asyncio.to_thread(self.store.get, response_id, tenant_id)
+                if stored is None:  # deleted meanwhile
+                    return
+                await asyncio.sleep(POLL_S)
+
+    # -- cancelling and deleting ------------------------------------------------------
+    async def cancel(self, response_id: str, tenant_id: str) -> dict[str, Any]:
+        """Cancel a background response; the response object once it ended (or as it is
+        when it takes longer than CANCEL_WAIT_S)."""
+        stored = await asyncio.to_thread(self.store.request_cancel, response_id, tenant_id)
+        if stored is None:
+            raise not_found(response_id)
+        if not stored.background:
+            raise InvalidRequest(
+                "Only responses created with background=true can be cancelled.",
+                param="response_id",
+            )
+        if stored.finished:
+            raise InvalidRequest(
+                f"Cannot cancel a response with status '{stored.status}'.",
+                param="response_id",
+                code="invalid_state",
+            )
+        run = self._cancel_local(response_id)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        if run is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.ended.wait(), CANCEL_WAIT_S)
+        while time.monotonic() < deadline:  # another gateway acts on it at its next sweep
+            stored = await self.get(response_id, tenant_id)
+            if stored.finished:
+                break
+            await asyncio.sleep(POLL_S)
+        return stored.body
+
+    def _cancel_local(self, response_id: str) -> _Run | None:
+        run = self._runs.get(response_id)
+        if run is not None and not run.cancel_requested:
+            run.cancel_requested = True
+            self.service.cancel_and_follow(run.generation, "response cancelled")
+        return run
+
+    async def delete(self, response_id: str, tenant_id: str) -> None:
+        """Delete a stored response; one still running here is cancelled first."""
+        await self.get(response_id, tenant_id)
+        run = self._runs.get(response_id)
+        if run is not None:
+            self._cancel_local(response_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.ended.wait(), CANCEL_WAIT_S)
+        if not await asyncio.to_thread(self.store.delete, response_id, tenant_id):
+            raise not_found(response_id)

@@ -1,0 +1,147 @@
+"""Stored and background responses through the `openai` SDK, on SQLite and PostgreSQL.
+
+The whole flow in one process (`tests/integration/billing/gateway_stack.py`): a gateway
+with its tenant store, the engine worker on the deterministic fake backend, the billing
+consumer writing the ledger. What a tenant relies on: a background response is polled
+to completion; its events replay from `starting_after` as first numbered; a cancel mid-run
+ends it `cancelled` with the usage the ledger bills; another tenant gets 404 for all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import sqlalchemy as sa
+
+from sluice.billing import admin
+from sluice.storage.db import Database
+from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.tables import UsageEntry
+from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def stack(db: Database) -> Iterator[Stack]:
+    admin.set_price(db, MODEL, input_usd="1", cached_input_usd="0.5", output_usd="2")
+    running = start_stack(db, MemoryQuotaStore)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def client(stack: Stack, tenant: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key=tenant["api_key"], timeout=30)
+
+
+def ledger(db: Database, response_id: str) -> tuple[int, int] | None:
+    """(prompt, completion) tokens billed for the response's request, once recorded."""
+    request_id = "req_" + response_id.removeprefix("resp_")
+    with db.session() as session:
+        rows = session.scalars(sa.select(UsageEntry).where(UsageEntry.request_id == request_id))
+        found = [(r.prompt_tokens, r.completion_tokens) for r in rows]
+    if not found:
+        return None
+    return sum(p for p, _ in found), sum(c for _, c in found)
+
+
+def finished(sdk: openai.OpenAI, response_id: str) -> Any:
+    seen: dict[str, Any] = {}
+
+    def done() -> bool:
+        seen["r"] = sdk.responses.retrieve(response_id)
+        return seen["r"].status not in ("queued", "in_progress")
+
+    wait_until(done, 30, f"{response_id} to finish")
+    return seen["r"]
+
+
+def test_background_response_polled_replayed_continued_and_private(
+    stack: Stack, db: Database
+) -> None:
+    a, b = admin.create_tenant(db, "tenant-a"), admin.create_tenant(db, "tenant-b")
+    sdk, other = client(stack, a), client(stack, b)
+    created = sdk.responses.create(
+        model=MODEL, input="count", max_output_tokens=8, background=True, temperature=0
+    )
+    assert created.status == "queued" and created.background
+    done = finished(sdk, created.id)
+    assert done.status == "incomplete" and len(done.output_text) == 8
+    assert done.usage is not None and done.usage.output_tokens == 8
+    wait_until(lambda: ledger(db, done.id) is not None, 20, "the ledger row")
+    assert ledger(db, done.id) == (done.usage.input_tokens, done.usage.output_tokens)
+
+    events = list(sdk.responses.retrieve(created.id, stream=True))
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"
+    replay = list(sdk.responses.retrieve(created.id, stream=True, starting_after=4))
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in events[5:]]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == done.output_text
+
+    follow_up = sdk.responses.create(
+        model=MODEL, input="again", previous_response_id=done.id, max_output_tokens=4
+    )
+    assert follow_up.previous_response_id == done.id and follow_up.store
+    assert follow_up.usage is not None
+    assert follow_up.usage.input_tokens > done.usage.input_tokens  # it saw the conversation
+    items = sdk.responses.input_items.list(follow_up.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in items.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    page = sdk.responses.input_items.list(follow_up.id, limit=2)
+    assert len(page.data) == 2 and page.has_more
+    rest = sdk.responses.input_items.list(follow_up.id, limit=2, after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [items.data[0].id] and not rest.has_more
+
+    for call in (
+        lambda: other.responses.retrieve(done.id),
+        lambda: list(other.responses.retrieve(done.id, stream=True)),
+        lambda: other.responses.cancel(done.id),
+        lambda: other.responses.delete(done.id),
+        lambda: other.responses.input_items.list(done.id),
+        lambda: other.responses.create(model=MODEL, input="x", previous_response_id=done.id),
+    ):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert caught.value.code == "not_found"
+
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.cancel(done.id)  # finished: nothing to cancel
+    sdk.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(done.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=MODEL, input="x", background=True, store=False)
+    assert refused.value.param == "store"
+
+
+def test_background_response_cancelled_mid_run_bills_what_it_shows(
+    stack: Stack, db: Database
+) -> None:
+    sdk = client(stack, admin.create_tenant(db, "tenant-a"))
+    created = sdk.responses.create(
+        model=MODEL, input="count", max_output_tokens=4000, background=True
+    )
+    stream = sdk.responses.retrieve(created.id, stream=True)
+    deltas = 0
+    for event in stream:
+        deltas += event.type == "response.output_text.delta"
+        if deltas == 3:
+            break
+    cancelled = sdk.responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    rest = list(stream)
+    assert rest[-1].type == "response.cancelled"
+    assert rest[-1].response == cancelled.to_dict()  # an event type the SDK does not model
+    assert cancelled.usage is not None and 3 <= cancelled.usage.output_tokens < 4000
+    assert len(cancelled.output_text) == cancelled.usage.output_tokens  # a letter a token
+    assert sdk.responses.retrieve(created.id).model_dump() == cancelled.model_dump()
+    wait_until(lambda: ledger(db, created.id) is not None, 20, "the ledger row")
+    assert ledger(db, created.id) == (cancelled.usage.input_tokens, cancelled.usage.output_tokens)
