@@ -61,6 +61,8 @@ class GatewayConfig(Protocol):
     @property
     def sse_ping_s(self) -> float: ...
     @property
+    def stream_resume_window_s(self) -> float: ...
+    @property
     def max_n(self) -> int: ...
     @property
     def max_choices(self) -> int: ...
@@ -116,6 +118,7 @@ def create_app(
         publish_timeout_s=settings.publish_timeout_s,
         deadline_grace_s=settings.deadline_grace_s,
         heartbeat_s=settings.heartbeat_s,
+        resume_window_s=settings.stream_resume_window_s,
     )
     limits = request_limits(settings)
     # stored responses live beside the tenants: every gateway on that database reads them

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -149,6 +150,14 @@ class Generation:
         self.created = int(time.time())
         self._service = service
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        # a resumable stream keeps every event read, so that a reader that took over
+        # (`rewind`) reads them again from the first before the live ones
+        self._log: list[StreamEvent] | None = None
+        self._replay: deque[StreamEvent] = deque()
+        # per choice, the tokens and finish of the events read so far: what an SSE event
+        # id names (`api.resume.EventIds`)
+        self.read_tokens = [0] * len(tracks)
+        self.read_finished = [False] * len(tracks)
 
     @property
     def request_id(self) -> str:
@@ -157,7 +166,7 @@ class Generation:
     @property
     def pending(self) -> bool:
         """Events remain to be read (some choice unfinished, or events queued)."""
-        return not self._queue.empty() or not all(t.done for t in self.tracks)
+        return bool(self._replay) or not self._queue.empty() or not all(t.done for t in self.tracks)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -237,8 +246,33 @@ class Generation:
             )
 
     # -- read by the route ---------------------------------------------------------------
+    def keep_log(self) -> None:
+        """Keep the events read from now on (a resumable stream, before its first read)."""
+        self._log = []
+
+    def rewind(self) -> None:
+        """A new reader takes over: the events read so far come again, then the rest."""
+        assert self._log is not None, "rewind needs keep_log"
+        self._replay = deque(self._log)
+        self._log = []
+        self.read_tokens = [0] * len(self.tracks)
+        self.read_finished = [False] * len(self.tracks)
+
     async def next_event(self, max_wait_s: float) -> StreamEvent | None:
-        """The next event; None when `max_wait_s` passed quietly (time for a keep-alive).
+        """The next event; None when `max_wait_s` passed quietly (time for a keep-alive)."""
+        if self._replay:
+            event: StreamEvent | None = self._replay.popleft()
+        else:
+            event = await self._next_live(max_wait_s)
+        if event is not None:
+            self.read_tokens[event.index] += len(event.token_ids)
+            self.read_finished[event.index] |= event.finish_reason is not None
+            if self._log is not None:
+                self._log.append(event)
+        return event
+
+    async def _next_live(self, max_wait_s: float) -> StreamEvent | None:
+        """The next event from the bus; None when `max_wait_s` passed quietly.
 
         Past the deadline (plus grace) the unfinished choices are cancelled on the bus
         and end with finish_reason "deadline".

@@ -4,10 +4,12 @@ What the two routes share lives here: building the call (off the loop when it co
 a constraint or is large), submitting it, and the frame of either answer. A stream
 opens with the route's first chunks and pings while idle; an event whose finish is an
 error ends it with that error's body and `[DONE]`, else it closes with the usage chunk
-(when `stream_options.include_usage`) and `[DONE]`; however it ends, the generation is
-abandoned. A whole answer waits for every choice (499 when the client left first) and
-carries the usage. A route says the rest in a `CallAnswer`: how an event becomes chunks
-and how the whole body reads.
+(when `stream_options.include_usage`) and `[DONE]`. Every stream event carries an id; a
+stream whose client left early is parked for its resume window, and the same request
+asked again with `Last-Event-ID` resumes after that event (`api/resume.py`). A whole
+answer waits for every choice (499 when the client left first) and carries the usage. A
+route says the rest in a `CallAnswer`: how an event becomes chunks and how the whole
+body reads.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sluice.api.errors import error_for_finish
 from sluice.api.formatting import generation_usage
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.prepare import Call
+from sluice.api.resume import EventId, EventIds, ResumableStream
 from sluice.api.schemas import StreamOptions
 from sluice.api.served import ServedModel
 from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
@@ -104,8 +107,12 @@ async def run_call(
     compiles: Callable[[BodyT], bool],
     answer: Callable[[BodyT, Call, ServedModel], CallAnswer],
 ) -> Response:
-    """Build the call for `body` (off the loop where `compiles`), submit it, answer it."""
+    """Build the call for `body` (off the loop where `compiles`), submit it, answer it.
+    A stream asked again with `Last-Event-ID` resumes where the client left it."""
     request, principal, gw = who.request, who.principal, who.gw
+    last_event_id = request.headers.get("last-event-id")
+    if last_event_id is not None and getattr(body, "stream", False):
+        return await _resume(who, body, EventId.parse(last_event_id))
     cid = call_id(request)
     call, model = await build_off_loop_if_large(
         request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
@@ -114,33 +121,66 @@ async def run_call(
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     out.begin(generation)
     if out.stream:
-        return SSEResponse(_stream(generation, out, gw.sse_ping_s))
+        key = stream_key(request, body)
+        stream = gw.service.streams.open(
+            call.call_id, principal.tenant_id, key, generation, lambda: answer(body, call, model)
+        )
+        return SSEResponse(_stream(stream, out, gw, None))
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     return JSONResponse(out.whole(results, out.usage(generation)))
 
 
-async def _stream(generation: Generation, out: CallAnswer, ping_s: float) -> AsyncIterator[str]:
+def stream_key(request: Request, body: Any) -> tuple[str, Any]:
+    """What a resume must ask again: the path and the body."""
+    return request.url.path, body.model_dump()
+
+
+async def _resume(who: Caller, body: Any, after: EventId) -> Response:
+    key = stream_key(who.request, body)
+    stream = await who.gw.service.streams.resume(after, who.principal.tenant_id, key)
+    out = stream.answer()
+    out.begin(stream.generation)
+    return SSEResponse(_stream(stream, out, who.gw, after))
+
+
+async def _stream(
+    stream: ResumableStream, out: CallAnswer, gw: Gateway, after: EventId | None
+) -> AsyncIterator[str]:
+    """The stream's events with their ids, from after `after` when it resumes one; its
+    end parks it for a resume unless the client had it all."""
+    ids = EventIds(out.call.call_id, stream.generation, after)
+    complete = False
     try:
-        for payload in out.opening():
-            yield sse_data(payload)
-        async for ev in pump(generation, ping_s):
-            if ev is None:
-                yield PING
-                continue
-            for payload in out.before_finish(ev):
-                yield sse_data(payload)
-            if ev.finish_reason is not None:
-                error = error_for_finish(ev.finish_reason, ev.error, ev.error_code)
-                if error is not None:
-                    yield sse_data(error.body())
-                    yield DONE
-                    return
-            for payload in out.after_finish(ev):
-                yield sse_data(payload)
-        if out.include_usage:
-            yield sse_data(out.usage_chunk(generation))
-        yield DONE
+        async for event in _events(stream.generation, out, gw.sse_ping_s):
+            framed = event if event == PING else ids.frame(event)
+            if framed is not None:
+                yield framed
+        complete = True
     finally:
-        generation.abandon()
+        gw.service.streams.detach(stream, complete=complete)
+
+
+async def _events(generation: Generation, out: CallAnswer, ping_s: float) -> AsyncIterator[str]:
+    """The stream's SSE events without ids, PING while idle; each event's chunks come
+    right after it is read (`EventIds` reads the generation's counts)."""
+    for payload in out.opening():
+        yield sse_data(payload)
+    async for ev in pump(generation, ping_s):
+        if ev is None:
+            yield PING
+            continue
+        for payload in out.before_finish(ev):
+            yield sse_data(payload)
+        if ev.finish_reason is not None:
+            error = error_for_finish(ev.finish_reason, ev.error, ev.error_code)
+            if error is not None:
+                yield sse_data(error.body())
+                yield DONE
+                return
+        for payload in out.after_finish(ev):
+            yield sse_data(payload)
+    if out.include_usage:
+        yield sse_data(out.usage_chunk(generation))
+    yield DONE

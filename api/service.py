@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 from sluice.api.errors import ServiceUnavailable
 from sluice.api.generation import Generation, Track, accept
+from sluice.api.resume import ResumableStreams
 from sluice.api.server_span import note_generation
 from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from sluice.bus.codec import decode_as, encode
@@ -63,6 +64,7 @@ class GatewayService:
         poll_timeout_s: float = 0.1,
         deadline_grace_s: float = DEADLINE_GRACE_S,
         heartbeat_s: float = 0.0,
+        resume_window_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
@@ -85,6 +87,8 @@ class GatewayService:
         self._poll_error: str | None = None
         self._terminal_hook: TerminalHook | None = None
         self._awaiting: dict[str, tuple[GenerateRequest, float]] = {}
+        # streams a client whose connection dropped may resume (`Last-Event-ID`)
+        self.streams = ResumableStreams(resume_window_s)
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:

@@ -411,6 +411,13 @@ class GatewaySettings(Settings):
         description="a stream with nothing to send for this many seconds gets an SSE comment,"
         " so that proxies keep it open",
     )
+    stream_resume_window_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="a stream whose client went away keeps generating this many seconds for"
+        " the client to resume it (`Last-Event-ID`); not resumed, it is cancelled and billed"
+        " for what ran; 0 cancels at the disconnect",
+    )
     max_n: int = from_config(
         RequestLimits,
         "max_n",

@@ -179,7 +179,8 @@ def test_websocket_close_cancels(server: ServerThread, engine: FakeEngineWorker)
 def test_client_disconnect_cancels(
     server: ServerThread, engine: FakeEngineWorker, stream: bool
 ) -> None:
-    """A client that goes away (stream or not) makes the gateway publish a Cancel."""
+    """A client that goes away (stream or not) makes the gateway publish a Cancel: at
+    once, or for a stream once its resume window passed (`api/resume.py`)."""
     engine.mode = "hang"
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": stream}
     headers = {"Authorization": f"Bearer {API_KEY}"}

@@ -23,6 +23,8 @@ def gateway_settings(**overrides: object) -> GatewaySettings:
         "request_timeout_s": 30.0,
         "deadline_grace_s": 0.5,
         "max_body_bytes": 64 * 1024,
+        # a dropped stream is cancelled soon after: tests of resuming set their own window
+        "stream_resume_window_s": 0.2,
     }
     values.update(overrides)
     return GatewaySettings(**values)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ def _data_lines(client: TestClient, path: str, body: dict[str, Any]) -> list[Any
                 data = line.removeprefix("data: ")
                 payloads.append(data if data == "[DONE]" else json.loads(data))
             else:  # a cut line would show up here as a fragment of JSON
-                assert line == "" or line.startswith(("event: ", ":")), line
+                assert line == "" or line.startswith(("event: ", "id: ", ":")), line
     return payloads
 
 

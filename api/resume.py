@@ -1,0 +1,241 @@
+"""Resumable streams: SSE event ids, and the streams a gateway keeps for a client to resume.
+
+Every event of a chat, completions or responses stream carries an `id:` that names
+where the stream stands: the call, per choice the completion tokens read (and whether
+its finish was read), and how many events went out since those last changed
+(`<call>:<tokens>[f],…:<i>`). A client whose connection dropped sends the same request
+again with `Last-Event-ID`; the gateway reads the call's events again from the first
+through the same formatting, silently up to that id, and sends what follows, then the
+live rest. Nothing is published again, so the call is billed once.
+
+A stream whose client went away is parked for `resume_window_s`; the generation keeps
+running meanwhile (bounded by its max_tokens and deadline). Not resumed within the
+window, it is cancelled as a disconnect is, billed for what ran. A window of 0 cancels
+at the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.api.errors import Conflict, InvalidRequest, NotFound
+from sluice.api.generation import Generation
+
+logger = logging.getLogger(__name__)
+
+# how long a resume waits for the connection it replaces to be noticed as gone
+TAKEOVER_WAIT_S = 5.0
+_PARAM = "Last-Event-ID"
+
+
+@dataclass(frozen=True, slots=True)
+class EventId:
+    """Where a stream stood when it sent an event (see the module docstring)."""
+
+    call_id: str
+    tokens: tuple[int, ...]
+    finished: tuple[bool, ...]
+    num_since: int  # events sent since `tokens`/`finished` last changed, this one included
+
+    def __str__(self) -> str:
+        choices = ",".join(
+            f"{t}{'f' if f else ''}" for t, f in zip(self.tokens, self.finished, strict=True)
+        )
+        return f"{self.call_id}:{choices}:{self.num_since}"
+
+    @classmethod
+    def parse(cls, raw: str) -> EventId:
+        try:
+            call_id, choices, num = raw.strip().split(":")
+            parts = choices.split(",")
+            tokens = tuple(int(p.removesuffix("f")) for p in parts)
+            finished = tuple(p.endswith("f") for p in parts)
+            num_since = int(num)
+        except ValueError:
+            raise InvalidRequest(
+                f"{_PARAM} {raw[:80]!r} is not an event id of this server",
+                param=_PARAM,
+                code="invalid_value",
+            ) from None
+        if not call_id or num_since < 1 or min(tokens) < 0:
+            raise InvalidRequest(
+                f"{_PARAM} {raw[:80]!r} is not an event id of this server",
+                param=_PARAM,
+                code="invalid_value",
+            )
+        return cls(call_id, tokens, finished, num_since)
+
+
+class EventIds:
+    """Frames a stream's events with their ids; when resuming, drops those up to the
+    client's last one. Reads the generation's read counts, so each event must be framed
+    right after the generation event it comes from was read."""
+
+    def __init__(self, call_id: str, generation: Generation, after: EventId | None) -> None:
+        self._call_id = call_id
+        self._generation = generation
+        self._after = after
+        self._state: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())
+        self._num_since = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self._after is not None
+
+    def frame(self, event: str) -> str | None:
+        """`event` (an SSE event's text) with its `id:` line; None while replaying."""
+        g = self._generation
+        state = (tuple(g.read_tokens), tuple(g.read_finished))
+        if state != self._state:
+            self._state, self._num_since = state, 0
+        self._num_since += 1
+        current = EventId(self._call_id, state[0], state[1], self._num_since)
+        after = self._after
+        if after is not None:
+            if current == after:
+                self._after = None  # the client's last event: what follows is new to it
+                return None
+            if not _past(current, after):
+                return None
+            # a position the replay never stood at: the id was not of this stream's events
+            logger.warning("resume point %s not met, sending from %s", after, current)
+            self._after = None
+        return f"id: {current}\n{event}"
+
+
+def _past(current: EventId, after: EventId) -> bool:
+    return any(
+        t > a or (f and not af)
+        for t, a, f, af in zip(
+            current.tokens, after.tokens, current.finished, after.finished, strict=True
+        )
+    )
+
+
+@dataclass(eq=False, slots=True)
+class ResumableStream:
+    """One stream a client may resume: what it was asked, and its live generation."""
+
+    call_id: str
+    tenant_id: str
+    request_key: Any  # path and body: a resume must ask the same
+    generation: Generation
+    # a fresh formatter for a reader that takes over (the route's `CallAnswer`, bound to
+    # the first request's body)
+    answer: Callable[[], Any]
+    attached: bool = True
+    detached: asyncio.Event = field(default_factory=asyncio.Event)
+    expiry: asyncio.TimerHandle | None = None
+
+
+class ResumableStreams:
+    """The streams of one gateway that a client may still resume, by call id."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._streams: dict[str, ResumableStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(
+        self,
+        call_id: str,
+        tenant_id: str,
+        request_key: Any,
+        generation: Generation,
+        answer: Callable[[], Any],
+    ) -> ResumableStream:
+        """A new stream, attached to its first connection; its events are kept."""
+        generation.keep_log()
+        stream = ResumableStream(call_id, tenant_id, request_key, generation, answer)
+        if self.window_s > 0:
+            self._streams[call_id] = stream
+        return stream
+
+    def detach(self, stream: ResumableStream, *, complete: bool) -> None:
+        """Its connection ended: forgotten when the client had it all, else parked for
+        the window (cancelled at once when there is none)."""
+        stream.attached = False
+        stream.detached.set()
+        if complete or self.window_s <= 0:
+            self._forget(stream)
+            if not complete:
+                stream.generation.abandon()
+            return
+        logger.info(
+            "stream parked request_id=%s tenant_id=%s for %.0fs",
+            stream.generation.request_id,
+            stream.tenant_id,
+            self.window_s,
+        )
+        loop = asyncio.get_running_loop()
+        stream.expiry = loop.call_later(self.window_s, self._expire, stream)
+
+    async def resume(self, event_id: EventId, tenant_id: str, request_key: Any) -> ResumableStream:
+        """Take over the stream `event_id` belongs to, for a new connection."""
+        stream = self._streams.get(event_id.call_id)
+        if stream is None or stream.tenant_id != tenant_id:
+            # another tenant's stream reads as one that does not exist
+            raise NotFound(
+                f"no stream to resume for {_PARAM} {str(event_id)[:80]!r}: it ended, its"
+                " resume window passed, or it ran on another gateway",
+                param=_PARAM,
+                code="stream_not_found",
+            )
+        if stream.request_key != request_key:
+            raise InvalidRequest(
+                f"{_PARAM} belongs to a stream of another request; send the same request"
+                " again to resume it",
+                param=_PARAM,
+                code="invalid_value",
+            )
+        if len(event_id.tokens) != len(stream.generation.tracks):
+            raise InvalidRequest(
+                f"{_PARAM} {str(event_id)[:80]!r} is not an event id of this stream",
+                param=_PARAM,
+                code="invalid_value",
+            )
+        if stream.attached:
+            try:
+                async with asyncio.timeout(TAKEOVER_WAIT_S):
+                    await stream.detached.wait()
+            except TimeoutError:
+                raise Conflict(
+                    "this stream is still being sent on another connection; close it first"
+                ) from None
+        if stream.attached:  # another resume took it while this one waited
+            raise Conflict("this stream was resumed on another connection")
+        if stream.expiry is not None:
+            stream.expiry.cancel()
+            stream.expiry = None
+        stream.attached = True
+        stream.detached = asyncio.Event()
+        stream.generation.rewind()
+        logger.info(
+            "stream resumed request_id=%s tenant_id=%s after %s",
+            stream.generation.request_id,
+            tenant_id,
+            event_id,
+        )
+        return stream
+
+    def _expire(self, stream: ResumableStream) -> None:
+        stream.expiry = None
+        if stream.attached:
+            return
+        self._forget(stream)
+        logger.info(
+            "stream not resumed within %.0fs request_id=%s",
+            self.window_s,
+            stream.generation.request_id,
+        )
+        stream.generation.abandon()
+
+    def _forget(self, stream: ResumableStream) -> None:
+        if self._streams.get(stream.call_id) is stream:
+            del self._streams[stream.call_id]
