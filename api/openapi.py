@@ -190,6 +190,22 @@ class FileList(_Described):
     has_more: bool
 
 
+class ResponseDeleted(_Described):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class ResponseItemList(_Described):
+    """A page of a stored response's input items (`after=<last_id>` while `has_more`)."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class FileDeleted(_Described):
     id: str
     object: Literal["file"]
@@ -261,7 +277,7 @@ ERROR_DESCRIPTIONS = {
     400: "Invalid request: a body field or parameter failed validation",
     401: "Missing or unknown API key",
     403: "The admin API is disabled (no SLUICE_ADMIN_KEY on the gateway)",
-    404: "Unknown model, file, batch or record, or no tenant store behind this gateway",
+    404: "Unknown model, file, batch, response or record, or no tenant store behind this gateway",
     409: "The name is already taken, or the batch has finished and cannot be cancelled",
     413: "The request body is larger than SLUICE_MAX_BODY_BYTES (an upload: than a batch "
     "file may be)",
@@ -300,6 +316,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("POST", "/v1/completions"): Operation(Completion, GENERATION_ERRORS, CompletionChunk),
     ("POST", "/v1/responses"): Operation(ResponseObject, GENERATION_ERRORS, ResponseStreamEvent),
+    # stored responses; the GET streams (`stream=true`) a background response's events
+    ("GET", "/v1/responses/{response_id}"): Operation(
+        ResponseObject, (400, 401, 404), ResponseStreamEvent
+    ),
+    ("POST", "/v1/responses/{response_id}/cancel"): Operation(ResponseObject, (400, 401, 404)),
+    ("DELETE", "/v1/responses/{response_id}"): Operation(ResponseDeleted, (401, 404)),
+    ("GET", "/v1/responses/{response_id}/input_items"): Operation(
+        ResponseItemList, (400, 401, 404)
+    ),
     ("GET", "/v1/usage"): Operation(UsageReport, (400, 401, 404, 503)),
     ("POST", "/v1/files"): Operation(FileObject, (400, 401, 413, 503)),
     ("GET", "/v1/files"): Operation(FileList, (400, 401, 503)),

@@ -48,6 +48,8 @@ CANCEL_WAIT_S = 10.0  # how long a cancel waits for the response to end
 TERMINAL = frozenset(
     {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 )
+STOP_WAIT_S = 5.0  # how long a stopping gateway waits for its responses' last writes
+SHUT_DOWN = "the server shut down before this background response finished; create it again"
 ORPHANED = {
     "code": "server_error",
     "message": "the server running this background response stopped before it finished;"
@@ -100,12 +102,17 @@ class ResponseKeeper:
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def stop(self) -> None:
-        """Stop sweeping; the running responses end with the service (it ends their
-        generations), and their rows are failed by a later sweep once the lease lapses."""
+        """Stop sweeping and fail the responses still running here (nothing resumes them
+        once this gateway is gone), waiting a little for their last writes; one whose
+        write does not make it is failed by a later sweep once its lease lapses."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        for run in list(self._runs.values()):
+            run.generation.end("error", "gateway shutting down", SHUT_DOWN)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=STOP_WAIT_S)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -108,9 +108,21 @@ def compiles(body: ResponsesRequest) -> bool:
 
 
 def build(
-    body: ResponsesRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
+    body: ResponsesRequest,
+    headers: Any,
+    principal: Principal,
+    gw: Gateway,
+    cid: str,
+    *,
+    stored: bool = False,
 ) -> Call:
+    """The call of one request; `stored`: the HTTP route, which keeps responses (the
+    WebSocket mode and batch lines do not)."""
     model = gw.models.get(body.model)
+    if not stored and body.previous_response_id:
+        raise prepare.refuse("previous_response_id", "only HTTP requests continue a response")
+    if not stored and body.background:
+        raise prepare.refuse("background", "only HTTP requests run in the background")
     text_format_type(body.text)  # checks its shape
     plan = _tools(body)
     spec = structured.response_format_spec((body.text or {}).get("format"), "text.format")
@@ -200,7 +212,9 @@ async def create_response(
         body, items = await _continued(body, keeper, principal.tenant_id, items)
     stored = keeper is not None and body.store is not False
     call = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
+        request,
+        lambda: build(body, request.headers, principal, gw, cid, stored=True),
+        compiles(body),
     )
     model = gw.models.get(body.model)
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
@@ -347,9 +361,6 @@ async def responses_websocket(websocket: WebSocket) -> None:
             gw.rate_gate.check(principal)  # as `screened_principal` does for HTTP
             gw.check_input_size(payload)
             body = ResponsesRequest.model_validate(payload)
-            for field in ("background", "previous_response_id"):  # stored over HTTP only
-                if getattr(body, field):
-                    raise prepare.refuse(field, "the WebSocket mode does not store responses")
             call = await asyncio.to_thread(build, body, websocket.headers, principal, gw, cid)
             generation = await gw.submit(websocket, principal, call.requests, call.deadline_ms)
         except ValidationError as exc:

@@ -16,9 +16,11 @@ import openai
 import pytest
 import sqlalchemy as sa
 
+from sluice.api.stored_responses import SHUT_DOWN
 from sluice.billing import admin
 from sluice.storage.db import Database
 from sluice.storage.quota_memory import MemoryQuotaStore
+from sluice.storage.responses import ResponseStore
 from sluice.storage.tables import UsageEntry
 from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
 from tests.waiting import wait_until
@@ -145,3 +147,17 @@ def test_background_response_cancelled_mid_run_bills_what_it_shows(
     assert sdk.responses.retrieve(created.id).model_dump() == cancelled.model_dump()
     wait_until(lambda: ledger(db, created.id) is not None, 20, "the ledger row")
     assert ledger(db, created.id) == (cancelled.usage.input_tokens, cancelled.usage.output_tokens)
+
+
+def test_a_gateway_shutting_down_fails_its_running_responses(stack: Stack, db: Database) -> None:
+    tenant = admin.create_tenant(db, "tenant-a")
+    sdk = client(stack, tenant)
+    stack.backend.gate.clear()  # the response stays in progress
+    created = sdk.responses.create(model=MODEL, input="count", background=True)
+    stack.servers[0].__exit__(None, None, None)  # the app's shutdown
+    stack.servers.clear()
+    stored = ResponseStore(db).get(created.id, tenant["tenant_id"])
+    assert stored is not None and stored.status == "failed"
+    assert stored.body["error"]["message"] == SHUT_DOWN
+    events = ResponseStore(db).events_after(created.id, tenant["tenant_id"], -1)
+    assert events[-1]["type"] == "response.failed"
