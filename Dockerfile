@@ -68,6 +68,12 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /app
 # numeric, so Kubernetes' runAsNonRoot can check it
 USER 10001:10001
+# The kernels the builder made must load for this user: here there is no compiler to
+# rebuild them, and the engine would fall back to its torch path ("CPU kernels
+# unavailable"). Nothing to check where the builder's CPU lacked AVX2 and built none.
+RUN python -c "from pathlib import Path; from sluice.engine.kernels import library_path, \
+load_cpu_ops; lib = library_path(Path('/opt/sluice/kernels')); \
+assert not lib.exists() or load_cpu_ops(lib.parent), f'{lib} does not load'"
 # 8000: the gateway's API (and its /metrics); 9400: a worker's SLUICE_METRICS_PORT
 EXPOSE 8000 9400
 ENTRYPOINT ["sluice"]

@@ -83,6 +83,10 @@ def _build(source: Path, out: Path) -> None:
             capture_output=True,
             timeout=120,
         )
+        # mkstemp made the file 0600 and the linker only adds x: a library built for the
+        # machine (an image's builder runs as root, its engine as another user) must be
+        # readable by every user, or theirs falls back with no compiler to rebuild it
+        os.chmod(tmp, 0o755)
         os.replace(tmp, out)  # atomic: concurrent builders each land a whole file
     finally:
         if os.path.exists(tmp):
