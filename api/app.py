@@ -30,10 +30,12 @@ from sluice.api.routes.batches import BatchControl
 from sluice.api.served import ModelCatalog, ServedModel
 from sluice.api.server_span import ServerSpanMiddleware
 from sluice.api.service import GatewayService
+from sluice.api.slo import SloAdmission
 from sluice.api.stored_responses import ResponseKeeper
 from sluice.api.tenancy import GatewayAdmission, TenantAuthenticator
 from sluice.billing.admission import AdmissionService
 from sluice.bus.base import EventBus
+from sluice.bus.topics import Lane
 from sluice.storage.responses import ResponseStore
 
 
@@ -81,6 +83,12 @@ class GatewayConfig(Protocol):
     @property
     def trace_content(self) -> bool: ...
     @property
+    def slo_admission(self) -> bool: ...
+    @property
+    def ttft_target_interactive_s(self) -> float: ...
+    @property
+    def ttft_target_standard_s(self) -> float: ...
+    @property
     def response_retention_days(self) -> float: ...
 
 
@@ -120,6 +128,13 @@ def create_app(
         heartbeat_s=settings.heartbeat_s,
         resume_window_s=settings.stream_resume_window_s,
     )
+    if settings.slo_admission:
+        service.slo = SloAdmission(
+            {
+                Lane.INTERACTIVE.value: settings.ttft_target_interactive_s,
+                Lane.STANDARD.value: settings.ttft_target_standard_s,
+            }
+        )
     limits = request_limits(settings)
     # stored responses live beside the tenants: every gateway on that database reads them
     keeper = None

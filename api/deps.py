@@ -130,8 +130,10 @@ class Gateway:
         requests: Sequence[GenerateRequest],
         deadline_ms: int | None,
     ) -> Generation:
-        """Admit (tenant keys) and publish one call's sub-requests."""
+        """Admit (TTFT target, tenant keys) and publish one call's sub-requests."""
         require_engine_ready(conn)
+        if self.service.slo is not None:  # before the quota: a refused call takes nothing
+            self.service.slo.check(requests)
         if self.admission is None:
             return await self.service.submit(requests, deadline_ms)
         return await self.admission.submit(conn, principal, requests, deadline_ms)

@@ -15,6 +15,8 @@ APIError                         root; carries status, type, code, param, header
 ├── RequestTooLarge              413 invalid_request_error / request_too_large
 ├── RateLimited                  429 rate_limit_error / rate_limit_exceeded (x-should-retry: true)
 ├── QuotaExceeded                429 insufficient_quota / insufficient_quota (x-should-retry: false)
+├── ServerOverloaded             429 rate_limit_error / server_overloaded (retry-after: when the
+│                                lane's backlog meets its TTFT target again; `api.slo`)
 ├── EngineFailed                 500 server_error (finish_reason "error")
 ├── ServiceUnavailable           503 server_error / bus_unavailable (retryable)
 │   ├── QuotaUnavailable         503 server_error / quota_store_unavailable (budgeted tenant,
@@ -146,6 +148,19 @@ class QuotaExceeded(APIError):
 
     def __init__(self, message: str, headers: dict[str, str]) -> None:
         super().__init__(message, headers={**headers, "x-should-retry": "false"})
+
+
+class ServerOverloaded(APIError):
+    """The lane's backlog would push this request's first token past the lane's target
+    (`api.slo`); refused before anything was published or billed."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "server_overloaded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        headers = {"retry-after": str(retry_after_s), "x-should-retry": "true"}
+        super().__init__(message, headers=headers)
 
 
 class EngineFailed(APIError):

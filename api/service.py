@@ -29,6 +29,7 @@ from sluice.api.errors import ServiceUnavailable
 from sluice.api.generation import Generation, Track, accept
 from sluice.api.resume import ResumableStreams
 from sluice.api.server_span import note_generation
+from sluice.api.slo import SloAdmission
 from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from sluice.bus.codec import decode_as, encode
 from sluice.bus.errors import BusError
@@ -87,6 +88,8 @@ class GatewayService:
         self._poll_error: str | None = None
         self._terminal_hook: TerminalHook | None = None
         self._awaiting: dict[str, tuple[GenerateRequest, float]] = {}
+        # SLO admission (`api.slo`), set before `start`: it reads the workers' heartbeats
+        self.slo: SloAdmission | None = None
         # streams a client whose connection dropped may resume (`Last-Event-ID`)
         self.streams = ResumableStreams(resume_window_s)
 
@@ -159,6 +162,8 @@ class GatewayService:
                 request_topic(requests[0].lane), tenant_id, requests[0].request_id, len(requests)
             )
             headers = send.headers()
+            if self.slo is not None:
+                self.slo.published(requests)
             futures = [
                 time_publish(  # sluice_bus_publish_seconds once the broker confirms it
                     self.bus.publish(
@@ -242,8 +247,11 @@ class GatewayService:
             try:
                 if consumer is None:
                     group = f"gateway-{self.gateway_id}-{uuid.uuid4().hex[:8]}"
+                    topics = [self.reply_topic]
+                    if self.slo is not None:
+                        topics.append(HEARTBEATS_TOPIC)  # the workers' load
                     consumer = self.bus.consumer(
-                        group, [self.reply_topic], offset_reset="latest", on_assign=self._on_assign
+                        group, topics, offset_reset="latest", on_assign=self._on_assign
                     )
                 records = consumer.poll(self._poll_timeout_s)
                 for record in records:
@@ -266,6 +274,10 @@ class GatewayService:
             batches = []
             for record in records:
                 try:
+                    if record.topic == HEARTBEATS_TOPIC:
+                        if self.slo is not None:
+                            self.slo.heard(decode_as(Heartbeat, record.value))
+                        continue
                     batches.append(decode_as(TokenDeltaBatch, record.value))
                 except BusError as exc:
                     logger.warning("undecodable reply at offset %s: %s", record.offset, exc)
@@ -300,6 +312,8 @@ class GatewayService:
     def _route(self, batches: list[TokenDeltaBatch]) -> None:
         for batch in batches:
             for delta in batch.deltas:
+                if self.slo is not None:
+                    self.slo.on_delta(delta)
                 if delta.finish_reason is not None and self._awaiting:
                     self._terminal(delta)
                 entry = self._tracks.get(delta.request_id)

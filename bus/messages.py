@@ -109,14 +109,34 @@ class Cancel(Message):
         return self
 
 
+class WorkerLoad(BaseModel):
+    """An engine worker's backlog and measured rates, on its heartbeat; the gateway
+    predicts a new request's time to first token from them (`api.slo`).
+
+    queued_tokens / queued_requests: per lane, the prompt tokens and count of the
+    requests this worker holds that have no first token yet (buffered or in the
+    engine). prefill_tokens_per_s: prompt tokens brought to their first token per
+    second while a backlog waited (an EWMA); None until measured.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queued_tokens: dict[str, int] = Field(default_factory=dict)
+    queued_requests: dict[str, int] = Field(default_factory=dict)
+    num_running: int = 0
+    prefill_tokens_per_s: float | None = None
+
+
 class Heartbeat(Message):
     """A gateway or an engine worker is alive (`sluice.heartbeats.v1`, every
     `interval_ms`): workers cancel the requests of a gateway that went silent
-    (`consumers.gateway_liveness`)."""
+    (`consumers.gateway_liveness`). A worker's carries its `load` (left out of the JSON
+    when None, so a gateway's beat reads as before)."""
 
     sender_id: str  # the gateway id (its reply target) or the worker id
     role: Literal["gateway", "worker"]
     interval_ms: int
+    load: WorkerLoad | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):

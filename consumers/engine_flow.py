@@ -55,6 +55,7 @@ from sluice.consumers.flow_starts import AttemptStarts
 from sluice.consumers.gateway_liveness import GatewayLiveness
 from sluice.consumers.progress import ProgressStore
 from sluice.consumers.work_item import ABORTED, DEADLINE, EndReason, ItemState, WorkItem, now_ms
+from sluice.consumers.worker_load import LoadMeter
 from sluice.consumers.worker_requests import LANE_PRIORITY, deadline_to_monotonic, is_expired
 from sluice.engine.backends.base import EngineBackend, EngineDelta
 from sluice.tracing.propagation import trace_headers
@@ -129,7 +130,15 @@ class RequestFlow:
         self._endings = ItemEndings(env, held, admission, answers)
         cancels = CancelRegistry(config.cancel_ttl_s, config.max_cancelled)
         gateways = GatewayLiveness(worker_id, config.heartbeat_s, config.gateway_ttl_s)
-        self._cancels = FlowCancels(env, held, self._endings, cancels, gateways)
+        meter = self._load = LoadMeter()
+        self._cancels = FlowCancels(
+            env,
+            held,
+            self._endings,
+            cancels,
+            gateways,
+            lambda: meter.sample(held, backend.stats().num_running),
+        )
         deaths = config.max_engine_deaths
         orphans = self._orphans = Orphans(env, held, admission, answers, output, cancels, deaths)
         self._starts = AttemptStarts(env, admission, answers, orphans, output, on_engine_dead)
@@ -251,6 +260,8 @@ class RequestFlow:
             item = self._held.get(delta.request_id)
             if item is None or item.state is not ItemState.RUNNING:
                 continue
+            if delta.token_ids and item.first_token_ms is None:
+                self._load.prefilled(item.prompt_tokens)
             if delta.finished:
                 self._admission.leave_engine(item)
                 if delta.retryable and self._orphans.resumes_after_restart(item):

@@ -14,14 +14,21 @@ engine (which takes them one by one as capacity allows). Two levels:
   filled the engine (its records came later in the poll) would stay behind by that
   head start. So a tenant whose cost in the engine trails another's by more than a
   quantum is served first until it catches up (the worker reports `started`/`left`).
+- Deadlines: a batch line carries its batch's deadline. As the earliest deadline queued
+  in a deadline lane (batch) comes within `deadline_horizon_s`, that lane's weight rises
+  linearly from its own to the most urgent lane's, reached at the deadline: a batch
+  near the end of its window gets up to an equal share with interactive work, never
+  more, so the urgent lane keeps its place (it also passes a full engine queue, and the
+  engine's priority scheduling serves it first).
 
 Pure bookkeeping, no I/O; owned by the worker's event loop thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 
@@ -35,8 +42,14 @@ class Admissible(Protocol):
     @property
     def cost(self) -> int: ...
 
+    @property
+    def deadline(self) -> float | None: ...  # time.monotonic() seconds
+
 
 T = TypeVar("T", bound=Admissible)
+
+# a batch lane's weight starts rising this long before its earliest deadline
+DEADLINE_HORIZON_S = 3600.0
 
 
 class TenantQueues(Generic[T]):
@@ -139,15 +152,30 @@ class FairQueue(Generic[T]):
 
     lane_weights: lane name → weight, most urgent first. decay: how much of the
     remembered service survives each admission (0.97 ≈ the last ~30 admissions).
+    deadline_lanes: the lanes whose weight rises as their earliest deadline nears, over
+    the last `deadline_horizon_s` before it. Only those: an interactive request's
+    deadline is its client's timeout, not a window to finish in.
     """
 
     def __init__(
-        self, lane_weights: Mapping[str, int], tenant_quantum: int, decay: float = 0.97
+        self,
+        lane_weights: Mapping[str, int],
+        tenant_quantum: int,
+        decay: float = 0.97,
+        *,
+        deadline_lanes: Collection[str] = ("batch",),
+        deadline_horizon_s: float = DEADLINE_HORIZON_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not lane_weights or min(lane_weights.values()) < 1:
             raise ValueError(f"lane weights must be >= 1, got {dict(lane_weights)}")
+        if deadline_horizon_s <= 0:
+            raise ValueError(f"deadline_horizon_s must be > 0, got {deadline_horizon_s}")
         self.weights = dict(lane_weights)
         self.decay = decay
+        self.deadline_lanes = frozenset(deadline_lanes) & set(lane_weights)
+        self.deadline_horizon_s = deadline_horizon_s
+        self._clock = clock
         self._lanes: dict[str, TenantQueues[T]] = {
             lane: TenantQueues(tenant_quantum) for lane in lane_weights
         }
@@ -166,15 +194,29 @@ class FairQueue(Generic[T]):
     def push(self, item: T) -> None:
         self._lanes[item.lane].push(item)
 
+    def weight(self, lane: str) -> float:
+        """The lane's weight now: its own, raised as its earliest deadline nears."""
+        base = self.weights[lane]
+        if lane not in self.deadline_lanes:
+            return base
+        # a scan of the lane: the buffer holds at most a few hundred requests
+        deadlines = [i.deadline for i in self._lanes[lane] if i.deadline is not None]
+        if not deadlines:
+            return base
+        slack_s = min(deadlines) - self._clock()
+        pressure = min(1.0, max(0.0, 1.0 - slack_s / self.deadline_horizon_s))
+        return base + (max(self.weights.values()) - base) * pressure
+
     def _next_lane(self) -> str | None:
         backlogged = [lane for lane, queues in self._lanes.items() if queues]
         if not backlogged:
             return None
+        weights = {lane: self.weight(lane) for lane in backlogged}
         served = sum(self._served[lane] for lane in backlogged)
-        weight = sum(self.weights[lane] for lane in backlogged)
+        weight = sum(weights.values())
         best, best_deficit = backlogged[0], 0.0
         for lane in backlogged:
-            deficit = served * self.weights[lane] / weight - self._served[lane]
+            deficit = served * weights[lane] / weight - self._served[lane]
             if deficit > best_deficit:
                 best, best_deficit = lane, deficit
         return best  # the lane furthest below its share, else the most urgent one

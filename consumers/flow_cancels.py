@@ -9,11 +9,12 @@ ending is `ItemEndings.cancel`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from sluice.bus.base import Record
 from sluice.bus.codec import decode_as, encode
 from sluice.bus.errors import DecodeError
-from sluice.bus.messages import Cancel, GenerateRequest, Heartbeat
+from sluice.bus.messages import Cancel, GenerateRequest, Heartbeat, WorkerLoad
 from sluice.bus.topics import HEARTBEATS_TOPIC
 from sluice.consumers.cancels import CancelRegistry, cancel_matches
 from sluice.consumers.flow_endings import ItemEndings
@@ -34,6 +35,7 @@ class FlowCancels:
         endings: ItemEndings,
         cancels: CancelRegistry,
         gateways: GatewayLiveness,
+        load: Callable[[], WorkerLoad] | None = None,
     ) -> None:
         self._bus = env.bus
         self._worker_id = env.worker_id
@@ -41,6 +43,7 @@ class FlowCancels:
         self._endings = endings
         self._cancels = cancels
         self._gateways = gateways
+        self._load = load  # this worker's backlog and rates, on its heartbeat (`api.slo`)
 
     def is_cancelled(self, request: GenerateRequest) -> bool:
         return self._cancels.is_cancelled(request)
@@ -78,7 +81,7 @@ class FlowCancels:
     def _cancel_for_gone_gateways(self) -> None:
         """Publish this worker's heartbeat when due; cancel what a gone gateway asked for."""
         if self._gateways.due():
-            beat = self._gateways.own_beat()
+            beat = self._gateways.own_beat(self._load() if self._load else None)
             self._bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self._worker_id.encode())
         gone = self._gateways.gone()
         if not gone:

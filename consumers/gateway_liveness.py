@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sluice.bus.messages import Heartbeat
+from sluice.bus.messages import Heartbeat, WorkerLoad
 
 
 class GatewayLiveness:
@@ -60,9 +60,12 @@ class GatewayLiveness:
         self._last_sent = now
         return True
 
-    def own_beat(self) -> Heartbeat:
+    def own_beat(self, load: WorkerLoad | None = None) -> Heartbeat:
         return Heartbeat(
-            sender_id=self.worker_id, role="worker", interval_ms=int(self.heartbeat_s * 1000)
+            sender_id=self.worker_id,
+            role="worker",
+            interval_ms=int(self.heartbeat_s * 1000),
+            load=load,
         )
 
     def gone(self) -> set[str]:

@@ -320,6 +320,23 @@ class GatewaySettings(Settings):
         description="put prompts and outputs in the gateway's server span "
         "(gen_ai.input/output.messages); off: spans never carry them",
     )
+    slo_admission: bool = Field(
+        default=False,
+        description="refuse a request with 429 server_overloaded before publishing when its"
+        " predicted time to first token (the workers' backlog and prefill rate, on their"
+        " heartbeats) misses its lane's target; the batch lane is never refused",
+    )
+    ttft_target_interactive_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="time-to-first-token target of the interactive lane (service_tier"
+        " priority), for SLUICE_SLO_ADMISSION",
+    )
+    ttft_target_standard_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="time-to-first-token target of the standard lane, for SLUICE_SLO_ADMISSION",
+    )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,

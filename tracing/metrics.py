@@ -119,6 +119,18 @@ BUS_PUBLISH_SECONDS = Histogram(
     ("topic",),
     buckets=PUBLISH_BUCKETS,
 )
+SLO_REFUSALS = Counter(
+    "sluice_slo_refusals",
+    "Sub-requests refused before publishing: their lane's predicted TTFT missed its target.",
+    ("lane",),
+)
+# actual minus predicted: negative when the request was served sooner than predicted
+TTFT_PREDICTION_ERROR = Histogram(
+    "sluice_ttft_prediction_error_seconds",
+    "Actual minus predicted time to first token of admitted requests (SLO admission).",
+    ("lane",),
+    buckets=(-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0),
+)
 DEAD_LETTERS = Counter(
     "sluice_dead_letters", "Records copied to a dead-letter topic, by source topic.", ("topic",)
 )
@@ -420,6 +432,26 @@ def count_admission(decision: str, reason: str, n: int = 1) -> None:
         ADMISSION_DECISIONS.labels(decision, reason).inc(n)
     except Exception:
         logger.debug("admission decision not recorded", exc_info=True)
+
+
+def count_slo_refusal(lane: str, n: int = 1) -> None:
+    """`sluice_slo_refusals_total{lane}` += n."""
+    if not _enabled:
+        return
+    try:
+        SLO_REFUSALS.labels(lane).inc(n)
+    except Exception:
+        logger.debug("slo refusal not recorded", exc_info=True)
+
+
+def observe_ttft_prediction_error(lane: str, error_s: float) -> None:
+    """Actual minus predicted time to first token of an admitted request (`api.slo`)."""
+    if not _enabled:
+        return
+    try:
+        TTFT_PREDICTION_ERROR.labels(lane).observe(error_s)
+    except Exception:
+        logger.debug("ttft prediction error not recorded", exc_info=True)
 
 
 def count_dead_letter(topic: str) -> None:

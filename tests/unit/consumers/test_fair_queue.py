@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from sluice.consumers.fair_queue import FairQueue, TenantQueues
 
 WEIGHTS = {"interactive": 16, "standard": 4, "batch": 1}
@@ -14,6 +16,7 @@ class Item:
     tenant_id: str
     lane: str
     cost: int = 100
+    deadline: float | None = None
 
 
 def test_drr_gives_a_light_tenant_its_share_while_a_heavy_one_is_backlogged() -> None:
@@ -109,3 +112,62 @@ def test_a_tenant_arriving_after_another_filled_the_engine_catches_up_first() ->
     for _ in range(8):
         queues.left(Item("heavy", "standard"))
     assert queues.pop().tenant_id == "heavy"  # type: ignore[union-attr]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _shares(
+    buffer: FairQueue[Item], lanes: tuple[str, str], pops: int, deadline: float
+) -> dict[str, int]:
+    for _ in range(pops):
+        for lane in lanes:
+            buffer.push(Item("t", lane, deadline=deadline))
+    taken = [item.lane for item in (buffer.pop() for _ in range(pops)) if item is not None]
+    return {lane: taken.count(lane) for lane in lanes}
+
+
+def test_a_batch_lane_weighs_more_as_its_deadline_nears_up_to_the_urgent_lanes_weight() -> None:
+    clock = Clock()
+    buffer: FairQueue[Item] = FairQueue(
+        WEIGHTS, tenant_quantum=100, deadline_horizon_s=1000.0, clock=clock
+    )
+    far = Item("t", "batch", deadline=clock.now + 5000.0)
+    buffer.push(far)
+    assert buffer.weight("batch") == 1  # outside the horizon: its own weight
+    clock.now += 4500.0  # halfway through the horizon
+    assert buffer.weight("batch") == pytest.approx(1 + (16 - 1) * 0.5)
+    clock.now += 500.0
+    assert buffer.weight("batch") == 16  # at the deadline: the urgent lane's, never more
+    clock.now += 500.0
+    assert buffer.weight("batch") == 16
+    assert buffer.weight("standard") == 4  # other lanes keep theirs
+
+
+def test_a_batch_near_its_deadline_takes_an_equal_share_beside_interactive_and_no_more() -> None:
+    clock = Clock()
+    near: FairQueue[Item] = FairQueue(
+        WEIGHTS, tenant_quantum=100, deadline_horizon_s=60.0, clock=clock
+    )
+    shares = _shares(near, ("interactive", "batch"), 200, deadline=clock.now)  # due now
+    assert 95 <= shares["batch"] <= shares["interactive"] + 1
+
+    calm: FairQueue[Item] = FairQueue(
+        WEIGHTS, tenant_quantum=100, deadline_horizon_s=60.0, clock=clock
+    )
+    shares = _shares(calm, ("interactive", "batch"), 170, deadline=clock.now + 600.0)
+    assert 6 <= shares["batch"] <= 14  # far from its deadline: 16:1 as before
+
+
+def test_deadlines_outside_the_deadline_lanes_change_nothing() -> None:
+    clock = Clock()
+    buffer: FairQueue[Item] = FairQueue(
+        WEIGHTS, tenant_quantum=100, deadline_horizon_s=1000.0, clock=clock
+    )
+    buffer.push(Item("t", "standard", deadline=clock.now + 1.0))  # a client's timeout
+    assert buffer.weight("standard") == 4

@@ -1,0 +1,140 @@
+"""SLO admission's predictor and decision, on given worker loads and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.api.errors import ServerOverloaded
+from sluice.api.slo import SloAdmission
+from sluice.bus.messages import GenerateRequest, Heartbeat, TokenDelta, WorkerLoad
+from sluice.bus.topics import Lane
+from sluice.tracing import metrics
+
+TARGETS = {"interactive": 2.0, "standard": 10.0}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(
+    worker: str,
+    tokens: dict[str, int],
+    rate: float | None = 1000.0,
+    interval_ms: int = 1000,
+) -> Heartbeat:
+    load = WorkerLoad(queued_tokens=tokens, prefill_tokens_per_s=rate)
+    return Heartbeat(sender_id=worker, role="worker", interval_ms=interval_ms, load=load)
+
+
+def request(request_id: str, lane: Lane, prompt_tokens: int) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id,
+        tenant_id="t1",
+        model="m",
+        lane=lane,
+        prompt_token_ids=[1] * prompt_tokens,
+        reply_to="gw",
+        created_ms=0,
+    )
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def slo(clock: Clock) -> SloAdmission:
+    return SloAdmission(TARGETS, clock=clock)
+
+
+def test_ttft_is_the_tokens_ahead_in_this_and_higher_lanes_over_the_summed_rates(
+    slo: SloAdmission,
+) -> None:
+    slo.heard(beat("w1", {"interactive": 500, "standard": 3000, "batch": 90_000}, rate=1000.0))
+    slo.heard(beat("w2", {"interactive": 500, "standard": 1000}, rate=1000.0))
+    # 2,000 tokens/s in all; batch work never counts ahead of interactive or standard
+    assert slo.predict("interactive", 1000) == pytest.approx((1000 + 1000) / 2000)
+    assert slo.predict("standard", 1000) == pytest.approx((1000 + 4000 + 1000) / 2000)
+    assert slo.predict("batch", 0) == pytest.approx(95_000 / 2000)
+
+
+def test_what_this_gateway_published_since_the_heartbeat_counts_until_its_first_token(
+    slo: SloAdmission,
+) -> None:
+    slo.heard(beat("w1", {"interactive": 1000}))
+    burst = [request(f"r{i}", Lane.INTERACTIVE, 500) for i in range(6)]
+    slo.published(burst)
+    # the gateway's own 3,000 unstarted tokens exceed the heartbeat's 1,000: the larger wins
+    assert slo.predict("interactive", 0) == pytest.approx(3.0)
+    slo.on_delta(TokenDelta(request_id="r0", seq_no=0, token_ids=[7]))
+    slo.on_delta(TokenDelta(request_id="r1", seq_no=0, finish_reason="abort"))
+    slo.forget("r2")
+    assert slo.predict("interactive", 0) == pytest.approx(1.5)
+
+
+def test_a_call_that_would_miss_its_target_is_refused_with_the_drain_time_to_retry(
+    slo: SloAdmission,
+) -> None:
+    slo.heard(beat("w1", {"interactive": 1500}, rate=1000.0))
+    slo.check([request("ok", Lane.INTERACTIVE, 500)])  # 2.0 s: on target
+    with pytest.raises(ServerOverloaded) as refused:
+        slo.check([request("a", Lane.INTERACTIVE, 1000), request("b", Lane.INTERACTIVE, 1000)])
+    assert refused.value.status_code == 429 and refused.value.code == "server_overloaded"
+    # predicted 3.5 s against a 2 s target: the backlog needs 1.5 s more to drain
+    assert refused.value.headers["retry-after"] == "2"
+
+
+def test_the_batch_lane_is_never_refused(slo: SloAdmission) -> None:
+    slo.heard(beat("w1", {"batch": 10_000_000}, rate=10.0))
+    slo.check([request("b", Lane.BATCH, 4000)])
+
+
+def test_nothing_is_refused_without_a_measured_rate_or_a_fresh_worker(
+    slo: SloAdmission, clock: Clock
+) -> None:
+    big = [request("r", Lane.INTERACTIVE, 100_000)]
+    slo.check(big)  # no heartbeat yet
+    slo.heard(beat("w1", {"interactive": 100_000}, rate=None))
+    slo.check(big)  # a cold worker: no rate measured
+    slo.heard(beat("w1", {"interactive": 100_000}, rate=100.0))
+    with pytest.raises(ServerOverloaded):
+        slo.check(big)
+    clock.now += 3.5  # three intervals without a heartbeat: the engine-down paths answer
+    slo.check(big)
+
+
+def test_a_worker_that_stopped_beating_leaves_the_fleet(slo: SloAdmission, clock: Clock) -> None:
+    slo.heard(beat("w1", {"interactive": 4000}, rate=1000.0))
+    clock.now += 5.0
+    slo.heard(beat("w2", {"interactive": 0}, rate=1000.0))
+    assert slo.predict("interactive", 1000) == pytest.approx(1.0)
+
+
+def test_the_prediction_error_is_observed_at_the_first_token(
+    slo: SloAdmission, clock: Clock
+) -> None:
+    def count() -> float:
+        value = metrics.REGISTRY.get_sample_value(
+            "sluice_ttft_prediction_error_seconds_count", {"lane": "standard"}
+        )
+        return value or 0.0
+
+    slo.heard(beat("w1", {}, rate=1000.0))
+    slo.published([request("r", Lane.STANDARD, 2000)])  # predicted 2.0 s
+    before = count()
+    clock.now += 2.5
+    slo.on_delta(TokenDelta(request_id="r", seq_no=0, token_ids=[1]))
+    assert count() == before + 1
+    le = metrics.REGISTRY.get_sample_value(
+        "sluice_ttft_prediction_error_seconds_bucket", {"lane": "standard", "le": "0.5"}
+    )
+    below = metrics.REGISTRY.get_sample_value(
+        "sluice_ttft_prediction_error_seconds_bucket", {"lane": "standard", "le": "0.25"}
+    )
+    assert le is not None and below is not None and le - below >= 1  # 0.5 s late
