@@ -161,3 +161,29 @@ def test_a_gateway_shutting_down_fails_its_running_responses(stack: Stack, db: D
     assert stored.body["error"]["message"] == SHUT_DOWN
     events = ResponseStore(db).events_after(created.id, tenant["tenant_id"], -1)
     assert events[-1]["type"] == "response.failed"
+
+
+def test_another_gateway_on_the_database_follows_and_cancels(db: Database) -> None:
+    admin.set_price(db, MODEL, input_usd="1", cached_input_usd="0.5", output_usd="2")
+    fleet = start_stack(db, MemoryQuotaStore, gateways=2)
+    try:
+        tenant = admin.create_tenant(db, "tenant-a")
+        runs = client(fleet, tenant)
+        other = openai.OpenAI(base_url=f"{fleet.urls[1]}/v1", api_key=tenant["api_key"], timeout=30)
+        created = runs.responses.create(
+            model=MODEL, input="count", max_output_tokens=4000, background=True
+        )
+        stream = other.responses.retrieve(created.id, stream=True, starting_after=1)
+        first = next(iter(stream))
+        assert first.sequence_number == 2
+        cancelled = other.responses.cancel(created.id)  # the running gateway's sweep acts
+        assert cancelled.status == "cancelled"
+        assert cancelled.usage is not None and cancelled.usage.output_tokens < 4000
+        assert list(stream)[-1].type == "response.cancelled"
+        wait_until(lambda: ledger(db, created.id) is not None, 20, "the ledger row")
+        assert ledger(db, created.id) == (
+            cancelled.usage.input_tokens,
+            cancelled.usage.output_tokens,
+        )
+    finally:
+        fleet.close()
