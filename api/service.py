@@ -12,7 +12,10 @@ needs no lock:
   completion, so the part of a delta before what the client already has is cut off;
 - terminals: with a hook (`watch_terminals`, used for quota settlement), the first
   terminal delta of every published sub-request is handed to it, also after the client
-  went away or the deadline passed (the engine answers the Cancel with usage).
+  went away or the deadline passed (the engine answers the Cancel with usage);
+- no engine up: once a worker answered that none is up (`api.engine_verdict`), a call
+  waits briefly for its first delta and is refused 503 from `submit` when that says so
+  too, before a stream has answered 200.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from sluice.api.errors import ServiceUnavailable
+from sluice.api.engine_verdict import EngineVerdict
+from sluice.api.errors import EngineUnavailable, ServiceUnavailable
 from sluice.api.generation import Generation, Track, accept
 from sluice.api.resume import ResumableStreams
 from sluice.api.server_span import note_generation
@@ -92,6 +96,7 @@ class GatewayService:
         self.slo: SloAdmission | None = None
         # streams a client whose connection dropped may resume (`Last-Event-ID`)
         self.streams = ResumableStreams(resume_window_s)
+        self.verdict = EngineVerdict()  # whether a worker said that no engine is up
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -145,7 +150,9 @@ class GatewayService:
         """Publish the sub-requests of one call (n choices / several prompts).
 
         Tracks are registered before publishing so no early delta is missed; when a
-        publish fails, the ones already sent are cancelled and 503 is raised.
+        publish fails, the ones already sent are cancelled and 503 is raised. While a
+        worker's word is that no engine is up, the call's first delta is awaited a
+        little: when it says so too, EngineUnavailable (503) is raised.
         """
         tracks = [Track(index=i, request_id=r.request_id) for i, r in enumerate(requests)]
         tenant_id = requests[0].tenant_id
@@ -157,6 +164,8 @@ class GatewayService:
             self._tracks[track.request_id] = (track, generation)
         if self._terminal_hook is not None:
             self._await_terminals(requests)
+        first = self.verdict.watch(requests[0].request_id)
+        refusal = None
         try:
             send = SendSpan(
                 request_topic(requests[0].lane), tenant_id, requests[0].request_id, len(requests)
@@ -180,6 +189,8 @@ class GatewayService:
             async with asyncio.timeout(timeout_s):  # see Generation.next_event
                 for future in futures:
                     await asyncio.wrap_future(future)
+            if first is not None:
+                refusal = await self.verdict.refusal(requests[0].request_id, first)
         except (BusError, TimeoutError) as exc:
             logger.warning(
                 "publish failed request_id=%s tenant_id=%s: %s",
@@ -194,6 +205,12 @@ class GatewayService:
             # caller, an unencodable request): the caller releases what it admitted
             self.cancel(generation, reason="submit failed")
             raise
+        finally:
+            if first is not None:
+                self.verdict.forget(requests[0].request_id)
+        if refusal is not None:  # its terminal went to the hook: billed as the worker says
+            self.cancel(generation, reason="no engine is up")
+            raise EngineUnavailable(refusal)
         note_generation(list(requests), generation)  # its usage goes on the server span
         return generation
 
@@ -312,6 +329,7 @@ class GatewayService:
     def _route(self, batches: list[TokenDeltaBatch]) -> None:
         for batch in batches:
             for delta in batch.deltas:
+                self.verdict.heard(delta)
                 if self.slo is not None:
                     self.slo.on_delta(delta)
                 if delta.finish_reason is not None and self._awaiting:
