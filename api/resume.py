@@ -8,17 +8,18 @@ again with `Last-Event-ID`; the gateway reads the call's events again from the f
 through the same formatting, silently up to that id, and sends what follows, then the
 live rest. Nothing is published again, so the call is billed once.
 
-A stream whose client went away is parked for `resume_window_s`; the generation keeps
-running meanwhile (bounded by its max_tokens and deadline). Not resumed within the
-window, it is cancelled as a disconnect is, billed for what ran. A window of 0 cancels
-at the disconnect.
+A stream's connection that ends, whether or not every event went out, parks it for
+`resume_window_s`; the generation keeps running meanwhile (bounded by its max_tokens and
+deadline). Not resumed within the window, what still runs is cancelled as a disconnect
+is, billed for what ran, and the stream is forgotten. A window of 0 cancels at the
+disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,9 +125,9 @@ class ResumableStream:
     tenant_id: str
     request_key: Any  # path and body: a resume must ask the same
     generation: Generation
-    # a fresh formatter for a reader that takes over (the route's `CallAnswer`, bound to
-    # the first request's body)
-    answer: Callable[[], Any]
+    # the stream's SSE events from the generation's first, through a fresh formatter:
+    # each reader (the first, one that took over) calls it once
+    events: Callable[[], AsyncIterator[str]]
     attached: bool = True
     detached: asyncio.Event = field(default_factory=asyncio.Event)
     expiry: asyncio.TimerHandle | None = None
@@ -148,31 +149,31 @@ class ResumableStreams:
         tenant_id: str,
         request_key: Any,
         generation: Generation,
-        answer: Callable[[], Any],
+        events: Callable[[], AsyncIterator[str]],
     ) -> ResumableStream:
         """A new stream, attached to its first connection; its events are kept."""
         generation.keep_log()
-        stream = ResumableStream(call_id, tenant_id, request_key, generation, answer)
+        stream = ResumableStream(call_id, tenant_id, request_key, generation, events)
         if self.window_s > 0:
             self._streams[call_id] = stream
         return stream
 
-    def detach(self, stream: ResumableStream, *, complete: bool) -> None:
-        """Its connection ended: forgotten when the client had it all, else parked for
-        the window (cancelled at once when there is none)."""
+    def detach(self, stream: ResumableStream) -> None:
+        """Its connection ended: parked for the window, even when every event went out
+        (sent is not received: a connection that broke loses what it had in flight);
+        with no window, cancelled at once."""
         stream.attached = False
         stream.detached.set()
-        if complete or self.window_s <= 0:
-            self._forget(stream)
-            if not complete:
-                stream.generation.abandon()
+        if self.window_s <= 0:
+            stream.generation.abandon()
             return
-        logger.info(
-            "stream parked request_id=%s tenant_id=%s for %.0fs",
-            stream.generation.request_id,
-            stream.tenant_id,
-            self.window_s,
-        )
+        if stream.generation.pending:
+            logger.info(
+                "stream parked request_id=%s tenant_id=%s for %.0fs",
+                stream.generation.request_id,
+                stream.tenant_id,
+                self.window_s,
+            )
         loop = asyncio.get_running_loop()
         stream.expiry = loop.call_later(self.window_s, self._expire, stream)
 
@@ -229,12 +230,13 @@ class ResumableStreams:
         if stream.attached:
             return
         self._forget(stream)
-        logger.info(
-            "stream not resumed within %.0fs request_id=%s",
-            self.window_s,
-            stream.generation.request_id,
-        )
-        stream.generation.abandon()
+        if stream.generation.pending:
+            logger.info(
+                "stream not resumed within %.0fs request_id=%s",
+                self.window_s,
+                stream.generation.request_id,
+            )
+        stream.generation.abandon()  # cancels what still runs; billed for what ran
 
     def _forget(self, stream: ResumableStream) -> None:
         if self._streams.get(stream.call_id) is stream:

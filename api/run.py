@@ -5,7 +5,7 @@ a constraint or is large), submitting it, and the frame of either answer. A stre
 opens with the route's first chunks and pings while idle; an event whose finish is an
 error ends it with that error's body and `[DONE]`, else it closes with the usage chunk
 (when `stream_options.include_usage`) and `[DONE]`. Every stream event carries an id; a
-stream whose client left early is parked for its resume window, and the same request
+stream whose connection ended is parked for its resume window, and the same request
 asked again with `Last-Event-ID` resumes after that event (`api/resume.py`). A whole
 answer waits for every choice (499 when the client left first) and carries the usage. A
 route says the rest in a `CallAnswer`: how an event becomes chunks and how the whole
@@ -28,7 +28,7 @@ from sluice.api.errors import error_for_finish
 from sluice.api.formatting import generation_usage
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.prepare import Call
-from sluice.api.resume import EventId, EventIds, ResumableStream
+from sluice.api.resume import EventId, EventIds, ResumableStream, ResumableStreams
 from sluice.api.schemas import StreamOptions
 from sluice.api.served import ServedModel
 from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
@@ -110,9 +110,9 @@ async def run_call(
     """Build the call for `body` (off the loop where `compiles`), submit it, answer it.
     A stream asked again with `Last-Event-ID` resumes where the client left it."""
     request, principal, gw = who.request, who.principal, who.gw
-    last_event_id = request.headers.get("last-event-id")
-    if last_event_id is not None and getattr(body, "stream", False):
-        return await _resume(who, body, EventId.parse(last_event_id))
+    resumed = await resumed_stream(request, principal, body, gw)
+    if resumed is not None:
+        return resumed
     cid = call_id(request)
     call, model = await build_off_loop_if_large(
         request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
@@ -121,15 +121,47 @@ async def run_call(
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     out.begin(generation)
     if out.stream:
-        key = stream_key(request, body)
-        stream = gw.service.streams.open(
-            call.call_id, principal.tenant_id, key, generation, lambda: answer(body, call, model)
-        )
-        return SSEResponse(_stream(stream, out, gw, None))
+
+        def events() -> AsyncIterator[str]:  # from the first event, for each reader
+            fresh = answer(body, call, model)
+            fresh.begin(generation)
+            return _events(generation, fresh, gw.sse_ping_s)
+
+        return resumable_stream(request, principal, body, call.call_id, generation, gw, events)
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
     return JSONResponse(out.whole(results, out.usage(generation)))
+
+
+def resumable_stream(
+    request: Request,
+    principal: Principal,
+    body: Any,
+    cid: str,
+    generation: Generation,
+    gw: Gateway,
+    events: Callable[[], AsyncIterator[str]],
+) -> SSEResponse:
+    """The SSE answer of a stream a client may resume: `events()` gives its SSE events
+    (PING while idle) from the generation's first, through a fresh formatter each time."""
+    key = stream_key(request, body)
+    stream = gw.service.streams.open(cid, principal.tenant_id, key, generation, events)
+    return SSEResponse(_stream(gw.service.streams, stream, None))
+
+
+async def resumed_stream(
+    request: Request, principal: Principal, body: Any, gw: Gateway
+) -> SSEResponse | None:
+    """The rest of the stream a streaming request's `Last-Event-ID` names; None without
+    one. 404 when that stream is gone (ended, its window passed, another gateway's)."""
+    last_event_id = request.headers.get("last-event-id")
+    if last_event_id is None or not getattr(body, "stream", False):
+        return None
+    after = EventId.parse(last_event_id)
+    key = stream_key(request, body)
+    stream = await gw.service.streams.resume(after, principal.tenant_id, key)
+    return SSEResponse(_stream(gw.service.streams, stream, after))
 
 
 def stream_key(request: Request, body: Any) -> tuple[str, Any]:
@@ -137,29 +169,19 @@ def stream_key(request: Request, body: Any) -> tuple[str, Any]:
     return request.url.path, body.model_dump()
 
 
-async def _resume(who: Caller, body: Any, after: EventId) -> Response:
-    key = stream_key(who.request, body)
-    stream = await who.gw.service.streams.resume(after, who.principal.tenant_id, key)
-    out = stream.answer()
-    out.begin(stream.generation)
-    return SSEResponse(_stream(stream, out, who.gw, after))
-
-
 async def _stream(
-    stream: ResumableStream, out: CallAnswer, gw: Gateway, after: EventId | None
+    streams: ResumableStreams, stream: ResumableStream, after: EventId | None
 ) -> AsyncIterator[str]:
     """The stream's events with their ids, from after `after` when it resumes one; its
-    end parks it for a resume unless the client had it all."""
-    ids = EventIds(out.call.call_id, stream.generation, after)
-    complete = False
+    end parks it for a resume."""
+    ids = EventIds(stream.call_id, stream.generation, after)
     try:
-        async for event in _events(stream.generation, out, gw.sse_ping_s):
+        async for event in stream.events():
             framed = event if event == PING else ids.frame(event)
             if framed is not None:
                 yield framed
-        complete = True
     finally:
-        gw.service.streams.detach(stream, complete=complete)
+        streams.detach(stream)
 
 
 async def _events(generation: Generation, out: CallAnswer, ping_s: float) -> AsyncIterator[str]:

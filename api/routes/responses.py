@@ -16,6 +16,7 @@ cache, as an HTTP request does), so a revoked key stops a socket opened before i
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +35,7 @@ from sluice.api.output import OutputPlan
 from sluice.api.prepare import Call
 from sluice.api.responses_format import ResponsesFormat, as_input, input_items, text_format_type
 from sluice.api.routes import chat
+from sluice.api.run import resumable_stream, resumed_stream
 from sluice.api.schemas import (
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
@@ -200,6 +202,9 @@ async def create_response(
     principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
+    resumed = await resumed_stream(request, principal, body, gw)  # `Last-Event-ID`
+    if resumed is not None:
+        return resumed
     cid = call_id(request)
     keeper = response_keeper(request)
     if body.background and body.store is False:
@@ -236,6 +241,16 @@ async def create_response(
             return SSEResponse(_sse(await keeper.follow(fmt.id, principal.tenant_id, -1)))
         return JSONResponse(queued)
     keep = keeper.keep if stored and keeper is not None else None
+    if body.stream and keep is None:  # a kept one is stored as its last event goes out
+        return resumable_stream(
+            request,
+            principal,
+            body,
+            call.call_id,
+            generation,
+            gw,
+            lambda: _sse(copy.copy(fmt).events(generation, gw.sse_ping_s)),
+        )
     if body.stream:
         events = fmt.events(generation, gw.sse_ping_s)
         if keep is not None:

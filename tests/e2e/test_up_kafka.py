@@ -77,6 +77,9 @@ def stack(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     env = {
         "SLUICE_REDIS_URL": REDIS_URL,
         "SLUICE_ENGINE_GROUP_ID": f"engine-e2e-{uuid.uuid4().hex[:6]}",
+        # a dropped stream is cancelled once its resume window passes: a short one, so
+        # the disconnect test's request is still running then
+        "SLUICE_STREAM_RESUME_WINDOW_S": "0.5",
     }
     proc = SluiceProcess(args, log, env)
     proc.env.pop("SLUICE_KAFKA_BOOTSTRAP", None)

@@ -31,6 +31,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 class Live:
     server: ServerThread
     engine: FakeEngineWorker
+    app: Any
 
     @property
     def base_url(self) -> str:
@@ -45,7 +46,7 @@ def _live(window_s: float) -> Iterator[Live]:
         gateway_settings(stream_resume_window_s=window_s), bus, [served_model("tiny", 1024)]
     )
     with ServerThread(app) as server:
-        yield Live(server, engine)
+        yield Live(server, engine, app)
     engine.stop()
     bus.close()
 
@@ -227,11 +228,20 @@ def test_an_unknown_or_malformed_event_id_is_refused(live: Live) -> None:
     assert r.json()["error"]["param"] == "Last-Event-ID"
 
 
-def test_a_finished_stream_cannot_be_resumed(live: Live) -> None:
+def test_a_stream_that_went_out_whole_can_be_read_again_within_the_window(
+    live: Live,
+) -> None:
+    # sent is not received: the last events may have been lost with the connection
     whole = _post(live.base_url, "/v1/chat/completions", _chat_body(10), Sse())
-    headers = {**HEADERS, "Last-Event-ID": whole.ids[2] or ""}
-    r = httpx.post(live.base_url + "/v1/chat/completions", json=_chat_body(10), headers=headers)
-    assert r.status_code == 404, r.text
+    rest = _post(
+        live.base_url, "/v1/chat/completions", _chat_body(10), Sse(), last_event_id=whole.ids[2]
+    )
+    assert rest.data == whole.data[3:]
+    assert rest.ids == whole.ids[3:]
+    after_all = _post(
+        live.base_url, "/v1/chat/completions", _chat_body(10), Sse(), last_event_id=whole.ids[-1]
+    )
+    assert after_all.data == []
 
 
 @pytest.fixture
@@ -248,3 +258,28 @@ def test_a_stream_not_resumed_within_the_window_is_cancelled(short_window: Live)
     headers = {**HEADERS, "Last-Event-ID": first.last_id}
     r = httpx.post(live.base_url + "/v1/chat/completions", json=_chat_body(), headers=headers)
     assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "stream_not_found"
+
+
+def test_a_finished_stream_is_forgotten_once_its_window_passed(short_window: Live) -> None:
+    live = short_window
+    whole = _post(live.base_url, "/v1/chat/completions", _chat_body(10), Sse())
+    streams = live.app.state.gateway.service.streams
+    wait_until(lambda: len(streams) == 0, 10, "the stream to be forgotten")
+    headers = {**HEADERS, "Last-Event-ID": whole.ids[2] or ""}
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=_chat_body(10), headers=headers)
+    assert r.status_code == 404, r.text
+    assert not live.engine.cancels  # it had finished: nothing to cancel
+
+
+def test_a_responses_stream_resumes_with_its_sequence_unbroken(live: Live) -> None:
+    body = {"model": "tiny", "input": "Tell me a story", "max_output_tokens": 120, "stream": True}
+    first = _post(live.base_url, "/v1/responses", body, Sse(), stop_after=15)
+    rest = _post(live.base_url, "/v1/responses", body, Sse(), last_event_id=first.last_id)
+    events = first.chunks() + rest.chunks()
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == REPLY[:120]
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 120
+    assert len(live.engine.requests) == 1
