@@ -164,7 +164,12 @@ class ResumableStreams:
         with no window, cancelled at once."""
         stream.attached = False
         stream.detached.set()
-        if self.window_s <= 0:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # finalized with no loop left (shutdown): no one can resume
+            loop = None
+        if self.window_s <= 0 or loop is None:
+            self._forget(stream)
             stream.generation.abandon()
             return
         if stream.generation.pending:
@@ -174,7 +179,6 @@ class ResumableStreams:
                 stream.tenant_id,
                 self.window_s,
             )
-        loop = asyncio.get_running_loop()
         stream.expiry = loop.call_later(self.window_s, self._expire, stream)
 
     async def resume(self, event_id: EventId, tenant_id: str, request_key: Any) -> ResumableStream:
