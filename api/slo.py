@@ -4,7 +4,7 @@ time-to-first-token target.
 Sits in the gateway between screening and quota admission (`api.deps.Gateway.submit`).
 The prediction, for a request of lane L with P prompt tokens:
 
-    ttft ≈ (tokens ahead + P) / prefill rate
+    ttft ≈ (tokens ahead + P) / prefill rate  [+ first release, when tokens are ahead]
 
 - tokens ahead: prompt tokens without a first token yet in L and the more urgent lanes
   (the workers' fair queues and engines serve those first). Two views, the larger wins:
@@ -15,6 +15,11 @@ The prediction, for a request of lane L with P prompt tokens:
 - prefill rate: the sum of the fresh workers' measured rates (`consumers.worker_load`:
   prompt tokens brought to their first token per second under a backlog). It already
   pays for the decode steps that share the engine with the prefills.
+- first release: while requests wait ahead, the engine's slots are full, and the first
+  one frees when a running request ends; the rate counts the releases after it at their
+  average pace. The workers report when their first running request is expected to end
+  (the mean over the fresh workers is used). After a burst every slot started at once
+  and frees at once, which the rate alone would miss.
 
 Nothing is refused while no worker has reported a rate (a cold fleet), or when no worker
 was heard for three heartbeat intervals (the engine-down paths answer then), or for a
@@ -53,6 +58,7 @@ class FleetLoad:
     stale_after_s: float
     ahead_tokens: tuple[int, ...]  # per lane index: tokens queued in it and above
     prefill_tokens_per_s: float | None
+    first_release_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -89,6 +95,7 @@ class SloAdmission:
         self._workers[beat.sender_id] = (now, interval_s, beat.load)
         ahead = [0] * len(LANES)
         rates: list[float] = []
+        releases: list[float] = []
         stale_after_s = 0.0
         for worker_id, (at, interval, load) in list(self._workers.items()):
             if now - at > STALE_AFTER_BEATS * interval:
@@ -100,9 +107,12 @@ class SloAdmission:
                     ahead[LANES.index(lane)] += tokens
             if load.prefill_tokens_per_s:
                 rates.append(load.prefill_tokens_per_s)
+            releases.append(load.first_release_s)
         for i in range(1, len(ahead)):
             ahead[i] += ahead[i - 1]
-        self.fleet = FleetLoad(now, stale_after_s, tuple(ahead), sum(rates) if rates else None)
+        rate = sum(rates) if rates else None
+        release_s = sum(releases) / len(releases) if releases else 0.0
+        self.fleet = FleetLoad(now, stale_after_s, tuple(ahead), rate, release_s)
 
     # -- the prediction and the decision (the event loop) ------------------------------
     def predict(self, lane: str, prompt_tokens: int) -> float | None:
@@ -115,7 +125,8 @@ class SloAdmission:
         index = LANES.index(lane)
         own = sum(self._own_ahead[: index + 1])
         ahead = max(fleet.ahead_tokens[index], own)
-        return (ahead + prompt_tokens) / fleet.prefill_tokens_per_s
+        wait_s = fleet.first_release_s if ahead else 0.0
+        return wait_s + (ahead + prompt_tokens) / fleet.prefill_tokens_per_s
 
     def check(self, requests: Sequence[GenerateRequest]) -> None:
         """Raise ServerOverloaded when the call would miss its lane's TTFT target."""

@@ -116,7 +116,9 @@ class WorkerLoad(BaseModel):
     queued_tokens / queued_requests: per lane, the prompt tokens and count of the
     requests this worker holds that have no first token yet (buffered or in the
     engine). prefill_tokens_per_s: prompt tokens brought to their first token per
-    second while a backlog waited (an EWMA); None until measured.
+    second while a backlog waited (an EWMA); None until measured. first_release_s: how
+    long until the first of its running requests is expected to end (their mean decode
+    time minus how long each has decoded), 0 when none runs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -125,6 +127,7 @@ class WorkerLoad(BaseModel):
     queued_requests: dict[str, int] = Field(default_factory=dict)
     num_running: int = 0
     prefill_tokens_per_s: float | None = None
+    first_release_s: float = 0.0
 
 
 class Heartbeat(Message):

@@ -262,6 +262,8 @@ class RequestFlow:
                 continue
             if delta.token_ids and item.first_token_ms is None:
                 self._load.prefilled(item.prompt_tokens)
+            if delta.finished and item.first_token_ms is not None:
+                self._load.finished((now_ms() - item.first_token_ms) / 1000)
             if delta.finished:
                 self._admission.leave_engine(item)
                 if delta.retryable and self._orphans.resumes_after_restart(item):

@@ -4,11 +4,13 @@ The gateway's SLO admission (`api.slo`) predicts a request's time to first token
 the backlog ahead of it and the rate at which the workers bring prompts to their first
 token. This module measures both on the worker's event loop: the backlog is counted from
 the held requests when a heartbeat is due; the rate is the prompt tokens that reached
-their first token since the last heartbeat over the time between, kept as an EWMA and
-updated only when requests without a first token were held at both ends of the interval
-(an idle engine's throughput is its offered load, not its capacity), or when a sample
-beats the estimate (a lower bound of the capacity either way). None until a backlogged
-interval was measured: the gateway then refuses nothing.
+their first token in a window (a second or more, closed at a heartbeat) over its length,
+kept as an EWMA and updated only when requests without a first token were held at both
+ends of the window (an idle engine's throughput is its offered load, not its capacity),
+or when a sample beats the estimate (a lower bound of the capacity either way). None
+until a backlogged window was measured: the gateway then refuses nothing. A queued
+request also waits for a running one to end before its slot frees: the worker reports
+when the first is expected to (`first_release_s`, from an EWMA of requests' decode time).
 """
 
 from __future__ import annotations
@@ -29,48 +31,75 @@ class QueuedItem(Protocol):
     def prompt_tokens(self) -> int: ...
     @property
     def first_token_ms(self) -> int | None: ...
+    @property
+    def in_engine(self) -> bool: ...
 
 
 class LoadMeter:
-    """Prefill throughput (EWMA) and backlog, sampled once per heartbeat."""
+    """Prefill throughput (EWMA over windows of `window_s`) and backlog, sampled on each
+    heartbeat. A window spans several engine steps, so that first tokens arriving in
+    bunches (one per running slot freed) read as their average rate."""
 
-    def __init__(self, alpha: float = 0.3, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_s: float = 1.0,
+        alpha: float = 0.3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s = window_s
         self.alpha = alpha
         self._clock = clock
-        self._prefilled = 0  # prompt tokens that reached their first token since the sample
-        self._sampled_at = clock()
-        self._backlogged = False  # a backlog waited at the last sample
+        self._prefilled = 0  # prompt tokens that reached their first token in the window
+        self._window_start = clock()
+        self._backlogged = False  # a backlog waited when the window started
         self.prefill_tokens_per_s: float | None = None
+        self.decode_s: float | None = None  # EWMA: a request's first token to its end
+
+    def finished(self, decode_s: float) -> None:
+        """A request that had its first token `decode_s` ago ended."""
+        current = self.decode_s
+        self.decode_s = decode_s if current is None else current + self.alpha * (decode_s - current)
 
     def prefilled(self, prompt_tokens: int) -> None:
         """A request got its first token."""
         self._prefilled += prompt_tokens
 
-    def sample(self, items: Iterable[QueuedItem], num_running: int) -> WorkerLoad:
-        """The load now; updates the rate from the interval since the last sample."""
+    def sample(
+        self, items: Iterable[QueuedItem], num_running: int, now_ms: int | None = None
+    ) -> WorkerLoad:
+        """The load now; a window that is over updates the rate."""
         now = self._clock()
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         tokens: dict[str, int] = {}
         requests: dict[str, int] = {}
+        release_s: float | None = None
         for item in items:
             if item.first_token_ms is None:
                 tokens[item.lane] = tokens.get(item.lane, 0) + item.prompt_tokens
                 requests[item.lane] = requests.get(item.lane, 0) + 1
-        elapsed = now - self._sampled_at
-        backlogged = self._backlogged and bool(tokens)  # at both ends of the interval
-        if elapsed > 0 and self._prefilled > 0:
-            rate = self._prefilled / elapsed
-            current = self.prefill_tokens_per_s
-            if current is None:
-                if backlogged:
-                    self.prefill_tokens_per_s = rate
-            elif backlogged or rate > current:
-                self.prefill_tokens_per_s = current + self.alpha * (rate - current)
-        self._prefilled = 0
-        self._sampled_at = now
-        self._backlogged = bool(tokens)
+            elif item.in_engine and self.decode_s is not None:
+                left_s = max(0.0, self.decode_s - (now_ms - item.first_token_ms) / 1000)
+                release_s = left_s if release_s is None else min(release_s, left_s)
+        elapsed = now - self._window_start
+        if elapsed >= self.window_s:
+            self._measure(self._prefilled / elapsed, self._backlogged and bool(tokens))
+            self._prefilled = 0
+            self._window_start = now
+            self._backlogged = bool(tokens)
         return WorkerLoad(
             queued_tokens=tokens,
             queued_requests=requests,
             num_running=num_running,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            first_release_s=release_s or 0.0,
         )
+
+    def _measure(self, rate: float, backlogged: bool) -> None:
+        current = self.prefill_tokens_per_s
+        if rate <= 0:
+            return  # nothing reached a first token: no rate to learn (a stalled engine)
+        if current is None:
+            if backlogged:
+                self.prefill_tokens_per_s = rate
+        elif backlogged or rate > current:
+            self.prefill_tokens_per_s = current + self.alpha * (rate - current)

@@ -26,8 +26,11 @@ def beat(
     tokens: dict[str, int],
     rate: float | None = 1000.0,
     interval_ms: int = 1000,
+    first_release_s: float = 0.0,
 ) -> Heartbeat:
-    load = WorkerLoad(queued_tokens=tokens, prefill_tokens_per_s=rate)
+    load = WorkerLoad(
+        queued_tokens=tokens, prefill_tokens_per_s=rate, first_release_s=first_release_s
+    )
     return Heartbeat(sender_id=worker, role="worker", interval_ms=interval_ms, load=load)
 
 
@@ -62,6 +65,16 @@ def test_ttft_is_the_tokens_ahead_in_this_and_higher_lanes_over_the_summed_rates
     assert slo.predict("interactive", 1000) == pytest.approx((1000 + 1000) / 2000)
     assert slo.predict("standard", 1000) == pytest.approx((1000 + 4000 + 1000) / 2000)
     assert slo.predict("batch", 0) == pytest.approx(95_000 / 2000)
+
+
+def test_while_tokens_wait_ahead_a_slot_frees_first_when_a_running_request_ends(
+    slo: SloAdmission,
+) -> None:
+    slo.heard(beat("w1", {"standard": 1000}, rate=1000.0, first_release_s=0.5))
+    slo.heard(beat("w2", {}, rate=1000.0, first_release_s=0.3))
+    # the mean of the workers' first releases, then the releases at the summed rate
+    assert slo.predict("standard", 1000) == pytest.approx(0.4 + 2000 / 2000)
+    assert slo.predict("interactive", 1000) == pytest.approx(1000 / 2000)  # none ahead
 
 
 def test_what_this_gateway_published_since_the_heartbeat_counts_until_its_first_token(

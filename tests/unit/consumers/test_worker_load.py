@@ -14,6 +14,7 @@ class Item:
     lane: str
     prompt_tokens: int
     first_token_ms: int | None = None
+    in_engine: bool = True
 
 
 class Clock:
@@ -35,7 +36,7 @@ def test_the_backlog_counts_the_requests_without_a_first_token_per_lane() -> Non
 
 def test_the_rate_is_measured_only_through_a_backlog_or_when_it_beats_the_estimate() -> None:
     clock = Clock()
-    meter = LoadMeter(alpha=0.5, clock=clock)
+    meter = LoadMeter(window_s=1.0, alpha=0.5, clock=clock)
     waiting = [Item("standard", 1000)]
     meter.sample([], 0)
     clock.now += 1.0
@@ -53,3 +54,28 @@ def test_the_rate_is_measured_only_through_a_backlog_or_when_it_beats_the_estima
     clock.now += 1.0
     meter.prefilled(4500)  # not backlogged, but faster than estimated: a lower bound
     assert meter.sample([], 1).prefill_tokens_per_s == pytest.approx(3500)
+
+
+def test_a_window_spans_heartbeats_until_it_is_long_enough() -> None:
+    clock = Clock()
+    meter = LoadMeter(window_s=1.0, clock=clock)
+    waiting = [Item("standard", 1000)]
+    clock.now += 1.0
+    meter.sample(waiting, 2)  # a window closes with a backlog waiting
+    for tokens in (2000, 0, 0, 0, 2000, 0, 0, 0):  # first tokens come in bunches
+        assert meter.prefill_tokens_per_s is None  # the window is not over yet
+        clock.now += 0.125
+        meter.prefilled(tokens)
+        load = meter.sample(waiting, 2)
+    assert load.prefill_tokens_per_s == pytest.approx(4000)
+
+
+def test_the_first_release_is_when_the_running_request_nearest_its_end_should_end() -> None:
+    meter = LoadMeter(clock=Clock())
+    running = [Item("standard", 10, first_token_ms=9_000), Item("standard", 10, 9_600)]
+    assert meter.sample(running, 2, now_ms=10_000).first_release_s == 0.0  # no decode seen
+    meter.finished(2.0)
+    # decoding for 1.0 s and 0.4 s of a 2 s mean: the first should end in 1 s
+    assert meter.sample(running, 2, now_ms=10_000).first_release_s == pytest.approx(1.0)
+    meter.finished(4.0)  # EWMA: 2.0 + 0.3 * 2.0
+    assert meter.sample(running, 2, now_ms=10_000).first_release_s == pytest.approx(1.6)
