@@ -145,6 +145,13 @@ class Broker(TansuBroker):
 
 API_KEY = "sk-faults"
 
+# Tansu on S3 storage answers a fetch with calls to the store (its partition's batches
+# listed, read), so the consumers' fetch wait sets how hard they work the store: at the
+# default's 5 ms their fetches keep it so busy that produces queue behind them and
+# requests time out. A deployment on durable storage sets SLUICE_KAFKA_FETCH_MAX_WAIT_MS
+# the same way.
+DURABLE_FETCH_MAX_WAIT_MS = 100
+
 
 @dataclass
 class Fleet:
@@ -196,6 +203,11 @@ class Fleet:
             "SLUICE_ENGINE_GROUP_ID": f"engine-faults-{uuid.uuid4().hex[:6]}",
             "SLUICE_DATA_DIR": str(self.workdir / "data"),
             "SLUICE_MODEL": "tiny-llama",  # the load's requests name it (faults_load.py)
+            **(
+                {"SLUICE_KAFKA_FETCH_MAX_WAIT_MS": str(DURABLE_FETCH_MAX_WAIT_MS)}
+                if self.durable
+                else {}
+            ),
             **self.env,
         }
         subprocess.run([sys.executable, "-m", "sluice", "migrate"], env=env, check=True,

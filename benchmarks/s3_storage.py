@@ -81,9 +81,12 @@ class S3rver:
         package = ensure_s3rver()
         self.directory.mkdir(parents=True, exist_ok=True)
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - until stopped
+        # s3rver's continuation token (a listing past 1,000 keys, a partition's batches)
+        # is DES-encrypted, a cipher of OpenSSL 3's legacy provider only: without it such
+        # a listing answers 500 and the broker's fetches of that partition fail
         self.proc = subprocess.Popen(
-            ["node", str(WRAPPER), str(package), str(self.directory), str(self.port),
-             self.bucket],
+            ["node", "--openssl-legacy-provider", str(WRAPPER), str(package),
+             str(self.directory), str(self.port), self.bucket],
             stdout=out,
             stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -8,14 +8,22 @@
 // A conditional PUT's body is read before its key is locked, so a client that dies
 // mid-upload (a broker killed) holds up only its own request, and the object is written
 // to a temporary file and renamed, so a GET never reads half of it.
+//
+// It also lists from memory: Tansu lists a partition's whole records/ prefix on each fetch
+// that finds new data, and s3rver's own listing walks the directory with blocking stat
+// calls and reads each key's metadata files, a cost that grows with every batch stored.
+// Here a sorted index of the bucket's keys, kept by this process's puts and deletes, and
+// the listed keys' metadata, cached until their key is written again, answer a listing.
 'use strict';
 
 const crypto = require('crypto');
 const fs = require('fs/promises');
+const fsSync = require('fs');
 const path = require('path');
 
 const [modulePath, directory, port, bucket] = process.argv.slice(2);
 const S3rver = require(modulePath);
+const S3Object = require(path.join(modulePath, 'lib', 'models', 'object'));
 
 const buffered = new WeakMap(); // request -> its whole body, read before the lock
 let temporaries = 0;
@@ -105,6 +113,137 @@ server.store.putObject = object => {
   const body = buffered.get(object.content);
   return body === undefined ? putObject(object) : putBuffered(server.store, object, body);
 };
+
+const OBJECT_SUFFIX = '._S3rver_object';
+const keys = new Map(); // bucket -> its keys, sorted
+const metadataCache = new Map(); // `${bucket}/${key}` -> what store.getMetadata answered
+
+function walkKeys(root, dir, found) {
+  for (const entry of fsSync.readdirSync(dir, { withFileTypes: true })) {
+    const full = path.join(dir, entry.name);
+    if (entry.isDirectory()) walkKeys(root, full, found);
+    else if (entry.name.endsWith(OBJECT_SUFFIX)) {
+      found.push(path.relative(root, full).slice(0, -OBJECT_SUFFIX.length));
+    }
+  }
+  return found;
+}
+
+function bucketKeys(bucketName) {
+  let sorted = keys.get(bucketName);
+  if (sorted === undefined) {
+    const root = server.store.getBucketPath(bucketName);
+    sorted = fsSync.existsSync(root) ? walkKeys(root, root, []).sort(compare) : [];
+    keys.set(bucketName, sorted);
+  }
+  return sorted;
+}
+
+function compare(a, b) {
+  return a < b ? -1 : a > b ? 1 : 0;
+}
+
+function firstAtOrAfter(sorted, key) {
+  let low = 0;
+  let high = sorted.length;
+  while (low < high) {
+    const mid = (low + high) >>> 1;
+    if (sorted[mid] < key) low = mid + 1;
+    else high = mid;
+  }
+  return low;
+}
+
+function indexed(bucketName, key) {
+  const sorted = bucketKeys(bucketName);
+  const at = firstAtOrAfter(sorted, key);
+  if (sorted[at] !== key) sorted.splice(at, 0, key);
+}
+
+function unindexed(bucketName, key) {
+  const sorted = bucketKeys(bucketName);
+  const at = firstAtOrAfter(sorted, key);
+  if (sorted[at] === key) sorted.splice(at, 1);
+}
+
+async function cachedMetadata(bucketName, key) {
+  const id = `${bucketName}/${key}`;
+  let metadata = metadataCache.get(id);
+  if (metadata === undefined) {
+    metadata = await server.store.getMetadata(bucketName, key);
+    metadataCache.set(id, metadata);
+  }
+  return metadata;
+}
+
+// the same answer as s3rver's FilesystemStore.listObjects, from the index
+async function listObjects(bucketName, options) {
+  const { delimiter = '', startAfter = '', prefix = '', maxKeys = Infinity } = options;
+  const sorted = bucketKeys(bucketName);
+  const commonPrefixes = new Set();
+  const listed = [];
+  let isTruncated = false;
+  for (let i = firstAtOrAfter(sorted, prefix); i < sorted.length; i++) {
+    const key = sorted[i];
+    if (!key.startsWith(prefix)) break;
+    if (key <= startAfter) continue;
+    if (delimiter) {
+      const at = key.slice(prefix.length).indexOf(delimiter);
+      if (at !== -1) {
+        commonPrefixes.add(key.slice(0, prefix.length + at + 1));
+        continue;
+      }
+    }
+    if (listed.length < maxKeys) listed.push(key);
+    else {
+      isTruncated = true;
+      break;
+    }
+  }
+  const objects = [];
+  for (const key of listed) {
+    try {
+      objects.push(new S3Object(bucketName, key, null, await cachedMetadata(bucketName, key)));
+    } catch (err) {
+      if (err.code !== 'ENOENT') throw err;
+    }
+  }
+  return { objects, commonPrefixes: [...commonPrefixes].sort(), isTruncated };
+}
+
+function keeping(method, update) {
+  const original = server.store[method].bind(server.store);
+  server.store[method] = async (...args) => {
+    const [bucketName, key] = update(...args);
+    metadataCache.delete(`${bucketName}/${key}`);
+    try {
+      return await original(...args);
+    } finally {
+      metadataCache.delete(`${bucketName}/${key}`);
+      if (method === 'deleteObject') unindexed(bucketName, key);
+      else if (fsSync.existsSync(server.store.getResourcePath(bucketName, key, 'object'))) {
+        indexed(bucketName, key);
+      }
+    }
+  };
+}
+
+keeping('putObject', object => [object.bucket, object.key]);
+keeping('copyObject', (srcBucket, srcKey, destBucket, destKey) => [destBucket, destKey]);
+keeping('deleteObject', (bucketName, key) => [bucketName, key]);
+// a completed multipart upload names its key only in the upload's own records: the
+// bucket's index and cache are rebuilt on its next listing
+const putObjectMultipart = server.store.putObjectMultipart.bind(server.store);
+server.store.putObjectMultipart = async (bucketName, ...rest) => {
+  try {
+    return await putObjectMultipart(bucketName, ...rest);
+  } finally {
+    keys.delete(bucketName);
+    metadataCache.clear();
+  }
+};
+server.store.listObjects = listObjects;
+
 server.run().then(
   () => console.log(`s3rver on 127.0.0.1:${port}, ${directory}, conditional PUTs`),
   err => {

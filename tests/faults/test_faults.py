@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import FAULTS, Fault, render, run_fault
+from benchmarks.faults import FAULTS, render, run_fault
 from benchmarks.s3_storage import S3rverMissing, ensure_s3rver
 from tests.services import service_missing
 
@@ -23,21 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleet_services")]
 REQUESTS = 300
 
 
-def _known(fault: Fault) -> list[pytest.MarkDecorator]:
-    """A row known to miss its goal is not run: it would spend CI's time (past ten minutes
-    of timed-out publishes) to show what `sluice bench faults --only "broker kill"` shows."""
-    if fault.durable:
-        reason = (
-            "open: Tansu on an s3rver bucket does not keep up with the suite's load (the "
-            "gateway's publishes time out, streams are lost; architecture.md §9)"
-        )
-        return [pytest.mark.skip(reason=reason)]
-    return []
-
-
 # a row runs about a minute on 2 cores; slower cores need more than the 300 s default
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fault", [pytest.param(f, id=f.name, marks=_known(f)) for f in FAULTS])
+@pytest.mark.parametrize("fault", [pytest.param(f, id=f.name) for f in FAULTS])
 def test_fault(fault, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     if fault.durable:  # the broker's storage is an s3rver bucket: node, npm and s3rver
         try:
