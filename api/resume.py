@@ -13,18 +13,30 @@ A stream's connection that ends, whether or not every event went out, parks it f
 deadline). Not resumed within the window, what still runs is cancelled as a disconnect
 is, billed for what ran, and the stream is forgotten. A window of 0 cancels at the
 disconnect.
+
+With a directory shared by the deployment's gateways (`storage.streams`, Redis in a
+fleet), a resume may come to any gateway, also after the one that ran the stream was
+killed: the gateway that finds no such stream of its own looks it up there and claims
+it, and the route rebuilds the call with its id and follows its deltas on the reply
+topic they go to (`GatewayService.adopt`), from the first, through the same formatting:
+the replay stops at the same id. A parked stream another gateway claimed is left to it
+at the end of its window rather than cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.api.errors import Conflict, InvalidRequest, NotFound
+from sluice.api.errors import Conflict, InvalidRequest, NotFound, ServiceUnavailable
 from sluice.api.generation import Generation
+from sluice.storage.errors import StoreError
+from sluice.storage.streams import StreamDirectory, StreamRecord
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +145,34 @@ class ResumableStream:
     expiry: asyncio.TimerHandle | None = None
 
 
-class ResumableStreams:
-    """The streams of one gateway that a client may still resume, by call id."""
+def check_choices(event_id: EventId, generation: Generation) -> None:
+    """400 unless `event_id` names as many choices as the stream has."""
+    if len(event_id.tokens) != len(generation.tracks):
+        raise InvalidRequest(
+            f"{_PARAM} {str(event_id)[:80]!r} is not an event id of this stream",
+            param=_PARAM,
+            code="invalid_value",
+        )
 
-    def __init__(self, window_s: float) -> None:
+
+def request_digest(request_key: Any) -> str:
+    """What a resume on another gateway compares: the request key, hashed."""
+    text = json.dumps(request_key, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ResumableStreams:
+    """The streams of one gateway that a client may still resume, by call id; with a
+    `directory`, also those another gateway ran (`find_elsewhere`)."""
+
+    def __init__(
+        self, window_s: float, gateway_id: str = "", directory: StreamDirectory | None = None
+    ) -> None:
         self.window_s = window_s
+        self.gateway_id = gateway_id
+        self.directory = directory  # set before the first stream opens
         self._streams: dict[str, ResumableStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -150,13 +184,45 @@ class ResumableStreams:
         request_key: Any,
         generation: Generation,
         events: Callable[[], AsyncIterator[str]],
+        record: StreamRecord | None = None,
     ) -> ResumableStream:
-        """A new stream, attached to its first connection; its events are kept."""
+        """A new stream, attached to its first connection; its events are kept. `record`
+        (where its deltas go, who serves it) is written to the directory, if any."""
         generation.keep_log()
         stream = ResumableStream(call_id, tenant_id, request_key, generation, events)
         if self.window_s > 0:
             self._streams[call_id] = stream
+            directory = self.directory
+            if directory is not None and record is not None:
+                self._spawn(_quietly(directory.put, record))
         return stream
+
+    async def find_elsewhere(
+        self, event_id: EventId, tenant_id: str, request_key: Any
+    ) -> StreamRecord:
+        """The stream `event_id` belongs to, run by another gateway, now claimed by this
+        one: the caller rebuilds the call and follows it. NotFound without one."""
+        if self.directory is None:
+            raise _not_found(event_id)
+        try:
+            record = await asyncio.to_thread(self.directory.get, event_id.call_id)
+            if record is None or record.tenant_id != tenant_id or record.owner == self.gateway_id:
+                # another tenant's reads as one that does not exist
+                raise _not_found(event_id, shared=True)
+            if record.request_digest != request_digest(request_key):
+                raise _another_request()
+            if not await asyncio.to_thread(self.directory.claim, record, self.gateway_id):
+                raise Conflict("this stream was resumed on another connection")
+        except StoreError as exc:
+            logger.warning("stream directory unavailable: %s", exc)
+            raise ServiceUnavailable("resuming streams is unavailable; retry shortly") from exc
+        logger.info(
+            "stream claimed call_id=%s tenant_id=%s from %s",
+            record.call_id,
+            tenant_id,
+            record.owner,
+        )
+        return record
 
     def detach(self, stream: ResumableStream) -> None:
         """Its connection ended: parked for the window, even when every event went out
@@ -186,25 +252,10 @@ class ResumableStreams:
         stream = self._streams.get(event_id.call_id)
         if stream is None or stream.tenant_id != tenant_id:
             # another tenant's stream reads as one that does not exist
-            raise NotFound(
-                f"no stream to resume for {_PARAM} {str(event_id)[:80]!r}: it ended, its"
-                " resume window passed, or it ran on another gateway",
-                param=_PARAM,
-                code="stream_not_found",
-            )
+            raise _not_found(event_id)
         if stream.request_key != request_key:
-            raise InvalidRequest(
-                f"{_PARAM} belongs to a stream of another request; send the same request"
-                " again to resume it",
-                param=_PARAM,
-                code="invalid_value",
-            )
-        if len(event_id.tokens) != len(stream.generation.tracks):
-            raise InvalidRequest(
-                f"{_PARAM} {str(event_id)[:80]!r} is not an event id of this stream",
-                param=_PARAM,
-                code="invalid_value",
-            )
+            raise _another_request()
+        check_choices(event_id, stream.generation)
         if stream.attached:
             try:
                 async with asyncio.timeout(TAKEOVER_WAIT_S):
@@ -229,10 +280,39 @@ class ResumableStreams:
         )
         return stream
 
+    def has(self, call_id: str) -> bool:
+        return call_id in self._streams
+
     def _expire(self, stream: ResumableStream) -> None:
         stream.expiry = None
         if stream.attached:
             return
+        if self.directory is not None:
+            self._spawn(self._expire_shared(stream, self.directory))
+            return
+        self._end(stream)
+
+    async def _expire_shared(self, stream: ResumableStream, directory: StreamDirectory) -> None:
+        """Cancelled as `_end` does unless another gateway claimed it: it runs on there."""
+        try:
+            record = await asyncio.to_thread(directory.get, stream.call_id)
+        except StoreError as exc:
+            logger.warning("stream directory unavailable: %s", exc)
+            record = None
+        if stream.attached:  # resumed here meanwhile
+            return
+        if record is not None and record.owner != self.gateway_id:
+            self._forget(stream)
+            logger.info(
+                "stream left to gateway %s request_id=%s",
+                record.owner,
+                stream.generation.request_id,
+            )
+            return
+        self._end(stream)
+        await _quietly(directory.drop, stream.call_id, self.gateway_id)
+
+    def _end(self, stream: ResumableStream) -> None:
         self._forget(stream)
         if stream.generation.pending:
             logger.info(
@@ -245,3 +325,35 @@ class ResumableStreams:
     def _forget(self, stream: ResumableStream) -> None:
         if self._streams.get(stream.call_id) is stream:
             del self._streams[stream.call_id]
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _quietly(fn: Callable[..., None], *args: Any) -> None:
+    """A directory write off the loop; one that fails costs a resume elsewhere only."""
+    try:
+        await asyncio.to_thread(fn, *args)
+    except StoreError as exc:
+        logger.warning("stream directory unavailable: %s", exc)
+
+
+def _not_found(event_id: EventId, shared: bool = False) -> NotFound:
+    where = "" if shared else ", or it ran on another gateway"
+    return NotFound(
+        f"no stream to resume for {_PARAM} {str(event_id)[:80]!r}: it ended, its resume"
+        f" window passed{where}",
+        param=_PARAM,
+        code="stream_not_found",
+    )
+
+
+def _another_request() -> InvalidRequest:
+    return InvalidRequest(
+        f"{_PARAM} belongs to a stream of another request; send the same request"
+        " again to resume it",
+        param=_PARAM,
+        code="invalid_value",
+    )

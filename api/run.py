@@ -6,7 +6,9 @@ opens with the route's first chunks and pings while idle; an event whose finish 
 error ends it with that error's body and `[DONE]`, else it closes with the usage chunk
 (when `stream_options.include_usage`) and `[DONE]`. Every stream event carries an id; a
 stream whose connection ended is parked for its resume window, and the same request
-asked again with `Last-Event-ID` resumes after that event (`api/resume.py`). A whole
+asked again with `Last-Event-ID` resumes after that event (`api/resume.py`), on this
+gateway or, with a shared directory of streams, on another one: the call is then built
+again with its id and its deltas followed where they go (`GatewayService.adopt`). A whole
 answer waits for every choice (499 when the client left first) and carries the usage. A
 route says the rest in a `CallAnswer`: how an event becomes chunks and how the whole
 body reads.
@@ -15,7 +17,7 @@ body reads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -24,17 +26,28 @@ from fastapi.responses import JSONResponse, Response
 
 from sluice.api.auth import Principal
 from sluice.api.deps import Gateway, build_off_loop_if_large, call_id, gateway, screened_principal
-from sluice.api.errors import error_for_finish
+from sluice.api.errors import InvalidRequest, error_for_finish
 from sluice.api.formatting import generation_usage
 from sluice.api.generation import ChoiceResult, Generation, StreamEvent
 from sluice.api.prepare import Call
-from sluice.api.resume import EventId, EventIds, ResumableStream, ResumableStreams
+from sluice.api.resume import (
+    EventId,
+    EventIds,
+    ResumableStream,
+    ResumableStreams,
+    check_choices,
+    request_digest,
+)
 from sluice.api.schemas import StreamOptions
 from sluice.api.served import ServedModel
 from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
+from sluice.storage.streams import StreamRecord
 
 Payload = dict[str, Any]
 BodyT = TypeVar("BodyT")
+Events = Callable[[], AsyncIterator[str]]
+# a stream another gateway ran, rebuilt here from its record: its generation and events
+Adopt = Callable[[StreamRecord], Awaitable[tuple[Generation, Events]]]
 
 
 class StreamedBody(Protocol):
@@ -110,24 +123,38 @@ async def run_call(
     """Build the call for `body` (off the loop where `compiles`), submit it, answer it.
     A stream asked again with `Last-Event-ID` resumes where the client left it."""
     request, principal, gw = who.request, who.principal, who.gw
-    resumed = await resumed_stream(request, principal, body, gw)
-    if resumed is not None:
-        return resumed
-    cid = call_id(request)
-    call, model = await build_off_loop_if_large(
-        request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
-    )
-    out = answer(body, call, model)
-    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
-    out.begin(generation)
-    if out.stream:
 
+    async def built(cid: str) -> tuple[Call, ServedModel]:
+        return await build_off_loop_if_large(
+            request, lambda: build(body, request.headers, principal, gw, cid), compiles(body)
+        )
+
+    def events_of(generation: Generation, call: Call, model: ServedModel) -> Events:
         def events() -> AsyncIterator[str]:  # from the first event, for each reader
             fresh = answer(body, call, model)
             fresh.begin(generation)
             return _events(generation, fresh, gw.sse_ping_s)
 
-        return resumable_stream(request, principal, body, call.call_id, generation, gw, events)
+        return events
+
+    async def adopt(record: StreamRecord) -> tuple[Generation, Events]:
+        call, model = await built(record.call_id)
+        generation = gw.service.adopt(record.reply_to, call.requests, record.deadline_ms)
+        return generation, events_of(generation, call, model)
+
+    resumed = await resumed_stream(request, principal, body, gw, adopt)
+    if resumed is not None:
+        return resumed
+    call, model = await built(call_id(request))
+    out = answer(body, call, model)
+    generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
+    out.begin(generation)
+    if out.stream:
+        events = events_of(generation, call, model)
+        cid = call.call_id
+        return resumable_stream(
+            request, principal, body, cid, generation, gw, events, call.deadline_ms, shared=True
+        )
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
@@ -141,27 +168,51 @@ def resumable_stream(
     cid: str,
     generation: Generation,
     gw: Gateway,
-    events: Callable[[], AsyncIterator[str]],
+    events: Events,
+    deadline_ms: int | None = None,
+    *,
+    shared: bool = False,
 ) -> SSEResponse:
     """The SSE answer of a stream a client may resume: `events()` gives its SSE events
-    (PING while idle) from the generation's first, through a fresh formatter each time."""
+    (PING while idle) from the generation's first, through a fresh formatter each time.
+    `shared`: it goes in the deployment's directory, for another gateway to take over
+    (its route passes `resumed_stream` an `adopt`)."""
     key = stream_key(request, body)
-    stream = gw.service.streams.open(cid, principal.tenant_id, key, generation, events)
-    return SSEResponse(_stream(gw.service.streams, stream, None))
+    streams, tenant_id = gw.service.streams, principal.tenant_id
+    record = None
+    if shared:
+        gateway_id = gw.service.gateway_id
+        digest = request_digest(key)
+        record = StreamRecord(cid, tenant_id, digest, gateway_id, gateway_id, deadline_ms)
+    stream = streams.open(cid, tenant_id, key, generation, events, record)
+    return SSEResponse(_stream(streams, stream, None))
 
 
 async def resumed_stream(
-    request: Request, principal: Principal, body: Any, gw: Gateway
+    request: Request, principal: Principal, body: Any, gw: Gateway, adopt: Adopt | None = None
 ) -> SSEResponse | None:
     """The rest of the stream a streaming request's `Last-Event-ID` names; None without
-    one. 404 when that stream is gone (ended, its window passed, another gateway's)."""
+    one. A stream this gateway does not hold is looked up in the directory and taken
+    over with `adopt` where one is given. 404 when that stream is gone (ended, its
+    window passed, another gateway's without a directory)."""
     last_event_id = request.headers.get("last-event-id")
     if last_event_id is None or not getattr(body, "stream", False):
         return None
     after = EventId.parse(last_event_id)
     key = stream_key(request, body)
-    stream = await gw.service.streams.resume(after, principal.tenant_id, key)
-    return SSEResponse(_stream(gw.service.streams, stream, after))
+    streams, tenant_id = gw.service.streams, principal.tenant_id
+    if adopt is None or streams.directory is None or streams.has(after.call_id):
+        stream = await streams.resume(after, tenant_id, key)
+        return SSEResponse(_stream(streams, stream, after))
+    record = await streams.find_elsewhere(after, tenant_id, key)
+    generation, events = await adopt(record)
+    stream = streams.open(record.call_id, tenant_id, key, generation, events)
+    try:
+        check_choices(after, generation)
+    except InvalidRequest:
+        streams.detach(stream)  # parked: a resume with a right id may still take it
+        raise
+    return SSEResponse(_stream(streams, stream, after))
 
 
 def stream_key(request: Request, body: Any) -> tuple[str, Any]:

@@ -15,7 +15,9 @@ needs no lock:
   went away or the deadline passed (the engine answers the Cancel with usage);
 - no engine up: once a worker answered that none is up (`api.engine_verdict`), a call
   waits briefly for its first delta and is refused 503 from `submit` when that says so
-  too, before a stream has answered 200.
+  too, before a stream has answered 200;
+- taken-over streams: a stream resumed here whose gateway died (`adopt`) is followed on
+  that gateway's reply topic (`api.follow`), its deltas routed as this gateway's own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from sluice.api.engine_verdict import EngineVerdict
 from sluice.api.errors import EngineUnavailable, ServiceUnavailable
+from sluice.api.follow import ReplyFollower
 from sluice.api.generation import Generation, Track, accept
 from sluice.api.resume import ResumableStreams
 from sluice.api.server_span import note_generation
@@ -95,7 +98,9 @@ class GatewayService:
         # SLO admission (`api.slo`), set before `start`: it reads the workers' heartbeats
         self.slo: SloAdmission | None = None
         # streams a client whose connection dropped may resume (`Last-Event-ID`)
-        self.streams = ResumableStreams(resume_window_s)
+        # (with `streams.directory` set, also streams another gateway ran)
+        self.streams = ResumableStreams(resume_window_s, self.gateway_id)
+        self._followers: dict[str, ReplyFollower] = {}  # reply target → its follower
         self.verdict = EngineVerdict()  # whether a worker said that no engine is up
 
     # -- lifecycle ------------------------------------------------------------------
@@ -119,6 +124,9 @@ class GatewayService:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
             self._thread = None
+        for follower in self._followers.values():
+            await asyncio.to_thread(follower.stop)
+        self._followers.clear()
         generations = {id(g): g for _, g in self._tracks.values()}
         for generation in generations.values():
             generation.end("error", "gateway shutting down", "the gateway is shutting down")
@@ -154,14 +162,8 @@ class GatewayService:
         worker's word is that no engine is up, the call's first delta is awaited a
         little: when it says so too, EngineUnavailable (503) is raised.
         """
-        tracks = [Track(index=i, request_id=r.request_id) for i, r in enumerate(requests)]
-        tenant_id = requests[0].tenant_id
-        wait_until = None
-        if deadline_ms is not None:
-            wait_until = time.monotonic() + deadline_ms / 1000 - time.time() + self.deadline_grace_s
-        generation = Generation(tracks, tenant_id=tenant_id, wait_until=wait_until, service=self)
-        for track in tracks:
-            self._tracks[track.request_id] = (track, generation)
+        generation = self._track(requests, deadline_ms)
+        tenant_id = generation.tenant_id
         if self._terminal_hook is not None:
             self._await_terminals(requests)
         first = self.verdict.watch(requests[0].request_id)
@@ -212,6 +214,50 @@ class GatewayService:
             self.cancel(generation, reason="no engine is up")
             raise EngineUnavailable(refusal)
         note_generation(list(requests), generation)  # its usage goes on the server span
+        return generation
+
+    def _track(self, requests: Sequence[GenerateRequest], deadline_ms: int | None) -> Generation:
+        """A generation for `requests`, its deltas routed to it from now on."""
+        tracks = [Track(index=i, request_id=r.request_id) for i, r in enumerate(requests)]
+        wait_until = None
+        if deadline_ms is not None:
+            wait_until = time.monotonic() + deadline_ms / 1000 - time.time() + self.deadline_grace_s
+        generation = Generation(
+            tracks, tenant_id=requests[0].tenant_id, wait_until=wait_until, service=self
+        )
+        for track in tracks:
+            self._tracks[track.request_id] = (track, generation)
+        return generation
+
+    def adopt(
+        self, reply_to: str, requests: Sequence[GenerateRequest], deadline_ms: int | None
+    ) -> Generation:
+        """Take over a stream another gateway published, its deltas going to `reply_to`:
+        nothing is published; they are read again from that reply topic's start."""
+        generation = self._track(requests, deadline_ms)
+        if reply_to == self.gateway_id:
+            return generation  # its deltas come here anyway
+        ids = [r.request_id for r in requests]
+        follower = self._followers.get(reply_to)
+        if follower is None or not follower.follow(ids):
+            follower = ReplyFollower(
+                self.bus,
+                reply_to,
+                hand_over=self._hand_over,
+                tracked=self._tracks.__contains__,
+                heartbeat_s=self.heartbeat_s,
+                resume_window_s=self.streams.window_s,
+                poll_timeout_s=self._poll_timeout_s,
+            )
+            follower.follow(ids)
+            self._followers[reply_to] = follower
+            follower.start()
+        logger.info(
+            "stream taken over request_id=%s tenant_id=%s from %s",
+            requests[0].request_id,
+            generation.tenant_id,
+            reply_to,
+        )
         return generation
 
     def cancel(self, generation: Generation, reason: str = "client disconnected") -> None:
@@ -314,7 +360,10 @@ class GatewayService:
             return
         self._beat_at = now
         beat = Heartbeat(
-            sender_id=self.gateway_id, role="gateway", interval_ms=int(self.heartbeat_s * 1000)
+            sender_id=self.gateway_id,
+            role="gateway",
+            interval_ms=int(self.heartbeat_s * 1000),
+            resume_window_ms=int(self.streams.window_s * 1000),
         )
         self.bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self.gateway_id.encode())
 

@@ -140,6 +140,9 @@ class Heartbeat(Message):
     role: Literal["gateway", "worker"]
     interval_ms: int
     load: WorkerLoad | None = Field(default=None, exclude_if=lambda v: v is None)
+    # a gateway's: how long its parked streams wait for a resume (`api.resume`), which
+    # workers add to its ttl before cancelling its requests (left out when 0)
+    resume_window_ms: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
 
 
 class TopLogprob(BaseModel):

@@ -5,7 +5,10 @@ nobody reads: the tenant would pay for every token up to `max_tokens` of a strea
 client never got. Each gateway publishes a `Heartbeat` every `heartbeat_s` on
 `sluice.heartbeats.v1`, and so does each engine worker; a worker cancels the requests of
 a gateway it heard before and has not heard for `ttl_s` (billed for what was generated
-until then, as a client's disconnect is).
+until then, as a client's disconnect is). A gateway that parks streams for a client to
+resume (on any gateway: `api.resume`) says how long on its heartbeat; its requests get
+that much longer, so a stream whose gateway died can still be taken over by another,
+which then heartbeats for the dead one's reply target while it reads it.
 
 Silence alone is not death: a broker outage silences every gateway at once. So a gateway
 is judged only while the heartbeat stream flows: the worker heard its own heartbeat
@@ -36,7 +39,8 @@ class GatewayLiveness:
         self.ttl_s = ttl_s
         self._clock = clock
         self._forget_after_s = forget_after_s
-        self._gateways: dict[str, float] = {}  # gateway id → when last heard
+        # gateway id → when last heard, and how long past the ttl its streams wait
+        self._gateways: dict[str, tuple[float, float]] = {}
         self._own_heard = -float("inf")  # this worker's heartbeat came back (the stream flows)
         self._flowing_since = clock()
         self._last_heard = -float("inf")  # any heartbeat
@@ -48,7 +52,7 @@ class GatewayLiveness:
             self._flowing_since = now  # after a silence, every gateway gets a new ttl
         self._last_heard = now
         if beat.role == "gateway":
-            self._gateways[beat.sender_id] = now
+            self._gateways[beat.sender_id] = (now, beat.resume_window_ms / 1000)
         elif beat.sender_id == self.worker_id:
             self._own_heard = now
 
@@ -69,7 +73,8 @@ class GatewayLiveness:
         )
 
     def gone(self) -> set[str]:
-        """The gateways heard before and silent for `ttl_s` while the stream flows."""
+        """The gateways heard before and silent for `ttl_s` (plus their resume window)
+        while the stream flows."""
         now = self._clock()
         if self.ttl_s <= 0:
             return set()
@@ -79,7 +84,11 @@ class GatewayLiveness:
         )
         if not flowing:
             return set()
-        for gateway, heard in list(self._gateways.items()):
+        for gateway, (heard, _) in list(self._gateways.items()):
             if now - heard > self._forget_after_s:
                 del self._gateways[gateway]
-        return {g for g, heard in self._gateways.items() if now - heard > self.ttl_s}
+        return {
+            g
+            for g, (heard, window_s) in self._gateways.items()
+            if now - heard > self.ttl_s + window_s
+        }

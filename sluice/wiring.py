@@ -50,6 +50,7 @@ from sluice.settings_fields import config_kwargs
 from sluice.storage.batches import BatchStore
 from sluice.storage.db import Database, embedded_url
 from sluice.storage.ledger import UsageLedger
+from sluice.storage.streams import RedisStreamDirectory
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -489,6 +490,11 @@ def build_gateway_app(
         workers = _workers_on_bus.get(bus, [])
     if workers:
         app.state.worker_probe = WorkerProbe(list(workers))
+    elif settings.redis_url:
+        # a fleet's gateways share where their resumable streams run: a client whose
+        # gateway died resumes its stream on another one
+        streams = app.state.gateway.service.streams
+        streams.directory = RedisStreamDirectory(settings.redis_url)
     return app
 
 

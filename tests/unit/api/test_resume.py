@@ -13,6 +13,7 @@ from sluice.api import resume
 from sluice.api.errors import Conflict, InvalidRequest, NotFound
 from sluice.api.generation import Generation, StreamEvent, Track
 from sluice.api.resume import EventId, EventIds, ResumableStreams
+from sluice.storage.streams import MemoryStreamDirectory, StreamRecord
 
 
 def on_loop(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
@@ -162,3 +163,65 @@ async def test_a_rewound_generation_reads_its_events_again_then_the_live_ones() 
     assert live is not None and live.text == "c"
     assert generation.read_tokens == [3] and generation.read_finished == [True]
     assert not generation.pending
+
+
+def _record(owner: str = "gw-a") -> StreamRecord:
+    digest = resume.request_digest(("/v1/x", {"a": 1}))
+    return StreamRecord("abc", "t1", digest, reply_to="gw-a", owner=owner)
+
+
+@on_loop
+async def test_a_stream_another_gateway_ran_is_claimed_for_its_tenant_and_request_only() -> None:
+    directory = MemoryStreamDirectory()
+    directory.put(_record())
+    streams = ResumableStreams(window_s=30.0, gateway_id="gw-b", directory=directory)
+    after = EventId.parse("abc:3:1")
+    with pytest.raises(NotFound):
+        await streams.find_elsewhere(after, "t2", ("/v1/x", {"a": 1}))  # another tenant's
+    with pytest.raises(InvalidRequest):
+        await streams.find_elsewhere(after, "t1", ("/v1/x", {"a": 2}))
+    with pytest.raises(NotFound):
+        await streams.find_elsewhere(EventId.parse("zzz:0:1"), "t1", ("/v1/x", {"a": 1}))
+    assert await streams.find_elsewhere(after, "t1", ("/v1/x", {"a": 1})) == _record()
+    assert directory.get("abc") == _record(owner="gw-b")
+    with pytest.raises(NotFound):  # its own now: one it no longer holds has ended
+        await streams.find_elsewhere(after, "t1", ("/v1/x", {"a": 1}))
+
+
+@on_loop
+async def test_a_parked_stream_another_gateway_claimed_runs_on_past_the_window() -> None:
+    directory = MemoryStreamDirectory()
+    canceller = Canceller()
+    streams = ResumableStreams(window_s=0.01, gateway_id="gw-a", directory=directory)
+    stream = streams.open("abc", "t1", "key", _generation(canceller), _no_events, _record())
+    await _settled(streams)
+    assert directory.claim(_record(), "gw-b")
+    streams.detach(stream)
+    assert stream.expiry is not None
+    stream.expiry._run()  # the window passed
+    await _settled(streams)
+    assert not canceller.cancelled  # gw-b serves it
+    assert len(streams) == 0
+    assert directory.get("abc") == _record(owner="gw-b")
+
+
+@on_loop
+async def test_a_parked_stream_nobody_claimed_is_cancelled_and_dropped() -> None:
+    directory = MemoryStreamDirectory()
+    canceller = Canceller()
+    streams = ResumableStreams(window_s=0.01, gateway_id="gw-a", directory=directory)
+    stream = streams.open("abc", "t1", "key", _generation(canceller), _no_events, _record())
+    await _settled(streams)
+    assert directory.get("abc") == _record()
+    streams.detach(stream)
+    assert stream.expiry is not None
+    stream.expiry._run()
+    await _settled(streams)
+    assert canceller.cancelled == ["req_abc-0"]
+    assert directory.get("abc") is None
+
+
+async def _settled(streams: ResumableStreams) -> None:
+    """The directory work the streams started (writes off the loop) is done."""
+    while streams._tasks:
+        await asyncio.gather(*streams._tasks)

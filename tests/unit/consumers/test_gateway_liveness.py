@@ -54,6 +54,24 @@ def test_a_gateway_silent_past_its_ttl_is_gone_while_others_are_heard() -> None:
     assert live.gone() == set()
 
 
+def test_a_gateway_that_parks_streams_gets_its_resume_window_past_the_ttl() -> None:
+    clock = Clock()
+    live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
+    beats(live, clock, 10, "gw-b")
+    live.heard(Heartbeat(sender_id="gw-a", role="gateway", interval_ms=1000, resume_window_ms=4000))
+    beats(live, clock, 8, "gw-b")
+    assert live.gone() == set()  # 8 s silent: within ttl + window
+    beats(live, clock, 2, "gw-b")
+    assert live.gone() == {"gw-a"}
+    # another gateway that took its streams over heartbeats for its reply target
+    live.heard(Heartbeat(sender_id="gw-a", role="gateway", interval_ms=1000, resume_window_ms=4000))
+    assert live.gone() == set()
+
+
+def test_a_gateway_beat_without_a_window_reads_as_before() -> None:
+    assert "resume_window_ms" not in encode(gateway("gw-a")).decode()
+
+
 def test_an_outage_silences_every_gateway_without_killing_one() -> None:
     clock = Clock()
     live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
