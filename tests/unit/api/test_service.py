@@ -10,10 +10,18 @@ import pytest
 from sluice.api import generation as api_generation
 from sluice.api.generation import Generation, StreamEvent, Track
 from sluice.api.service import GatewayService
+from sluice.bus.base import TopicSpec
 from sluice.bus.codec import decode_as, encode
 from sluice.bus.memory import MemoryEventBus
-from sluice.bus.messages import Cancel, GenerateRequest, TokenDelta, TokenDeltaBatch, Usage
-from sluice.bus.topics import CONTROL_TOPIC, Lane, reply_topic, request_topic
+from sluice.bus.messages import (
+    Cancel,
+    GenerateRequest,
+    Heartbeat,
+    TokenDelta,
+    TokenDeltaBatch,
+    Usage,
+)
+from sluice.bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC, Lane, reply_topic, request_topic
 
 
 def delta(attempt: int, seq_no: int, offset: int, text: str, **kw: object) -> TokenDelta:
@@ -266,3 +274,31 @@ def test_a_stream_cancelled_as_its_event_arrives_stays_cancelled() -> None:
             await asyncio.wait_for(reader, 1.0)
 
     asyncio.run(scenario())
+
+
+def test_a_stream_taken_over_reads_the_other_gateways_replies_from_the_first() -> None:
+    """gw1 died after its request's first deltas; gw2 adopts it: nothing is published,
+    every delta comes from gw1's reply topic, earlier ones included, and gw2 heartbeats
+    as gw1 while it follows it."""
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        requests = bus.consumer("probe-requests", [request_topic(Lane.STANDARD)])
+        beats = bus.consumer("probe-beats", [HEARTBEATS_TOPIC])
+        bus.create_topics([TopicSpec(reply_topic("gw1"))])
+        for d in [delta(0, 0, 0, "Hel"), delta(0, 1, 3, "lo")]:
+            bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[d])))
+        gw2 = GatewayService(bus, gateway_id="gw2", poll_timeout_s=0.01, heartbeat_s=0.05)
+        await gw2.start()
+        generation = gw2.adopt("gw1", [request()], deadline_ms=None)
+        last = delta(0, 2, 5, " world", finish_reason="length")
+        bus.publish(reply_topic("gw1"), encode(TokenDeltaBatch(reply_to="gw1", deltas=[last])))
+        [result] = await generation.collect()
+        assert result.text == "Hello world"
+        assert result.finish_reason == "length"
+        assert not requests.poll(0.01)  # nothing published again
+        senders = {decode_as(Heartbeat, r.value).sender_id for r in beats.poll(0.01)}
+        assert "gw1" in senders
+        await gw2.stop()
+
+    asyncio.run(main())
