@@ -256,6 +256,8 @@ class ResumableStreams:
         if stream.request_key != request_key:
             raise _another_request()
         check_choices(event_id, stream.generation)
+        if self.directory is not None:
+            await self._reclaim(stream, self.directory)
         if stream.attached:
             try:
                 async with asyncio.timeout(TAKEOVER_WAIT_S):
@@ -279,6 +281,18 @@ class ResumableStreams:
             event_id,
         )
         return stream
+
+    async def _reclaim(self, stream: ResumableStream, directory: StreamDirectory) -> None:
+        """A parked stream another gateway took over meanwhile comes back to this one,
+        which still runs it: that one leaves its copy running at its window's end."""
+        try:
+            record = await asyncio.to_thread(directory.get, stream.call_id)
+            if record is None or record.owner == self.gateway_id:
+                return
+            if not await asyncio.to_thread(directory.claim, record, self.gateway_id):
+                raise Conflict("this stream was resumed on another connection")
+        except StoreError as exc:  # this gateway runs it: resumed here all the same
+            logger.warning("stream directory unavailable: %s", exc)
 
     def has(self, call_id: str) -> bool:
         return call_id in self._streams

@@ -139,7 +139,9 @@ async def run_call(
 
     async def adopt(record: StreamRecord) -> tuple[Generation, Events]:
         call, model = await built(record.call_id)
-        generation = gw.service.adopt(record.reply_to, call.requests, record.deadline_ms)
+        generation = gw.service.adopt(
+            record.reply_to, call.requests, record.deadline_ms, record.created_s
+        )
         return generation, events_of(generation, call, model)
 
     resumed = await resumed_stream(request, principal, body, gw, adopt)
@@ -183,7 +185,9 @@ def resumable_stream(
     if shared:
         gateway_id = gw.service.gateway_id
         digest = request_digest(key)
-        record = StreamRecord(cid, tenant_id, digest, gateway_id, gateway_id, deadline_ms)
+        record = StreamRecord(
+            cid, tenant_id, digest, gateway_id, gateway_id, deadline_ms, generation.created
+        )
     stream = streams.open(cid, tenant_id, key, generation, events, record)
     return SSEResponse(_stream(streams, stream, None))
 

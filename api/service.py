@@ -230,13 +230,20 @@ class GatewayService:
         return generation
 
     def adopt(
-        self, reply_to: str, requests: Sequence[GenerateRequest], deadline_ms: int | None
+        self,
+        reply_to: str,
+        requests: Sequence[GenerateRequest],
+        deadline_ms: int | None,
+        created_s: int | None = None,
     ) -> Generation:
         """Take over a stream another gateway published, its deltas going to `reply_to`:
-        nothing is published; they are read again from that reply topic's start."""
+        nothing is published; they are read again from that reply topic's start.
+        `created_s`: the first gateway's `Generation.created`, which its chunks carry."""
         generation = self._track(requests, deadline_ms)
-        if reply_to == self.gateway_id:
-            return generation  # its deltas come here anyway
+        if created_s:
+            generation.created = created_s
+        # also for this gateway's own reply target: its consumer started at the latest
+        # offset and may have missed the first deltas (a restart under a fixed id)
         ids = [r.request_id for r in requests]
         follower = self._followers.get(reply_to)
         if follower is None or not follower.follow(ids):

@@ -41,6 +41,7 @@ class StreamRecord:
     reply_to: str  # the reply target its deltas are published to, for its whole run
     owner: str  # the gateway that serves it now
     deadline_ms: int | None = None
+    created_s: int = 0  # when the first gateway created it (its chunks' `created`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -153,6 +153,8 @@ def test_a_stream_resumes_on_another_gateway_after_its_own_was_killed(
 
         assert _text(first) + _text(rest) == _text(reference), gw_b.output()[-3000:]
         assert rest[-1][1] == "[DONE]"
+        # the chunks after the resume read as the same completion's
+        assert len({(c["id"], c["created"]) for c in _chunks(first + rest)}) == 1
         [usage] = [c["usage"] for c in _chunks(rest) if c.get("usage")]
         assert usage["completion_tokens"] == MAX_TOKENS
 

@@ -225,3 +225,16 @@ async def _settled(streams: ResumableStreams) -> None:
     """The directory work the streams started (writes off the loop) is done."""
     while streams._tasks:
         await asyncio.gather(*streams._tasks)
+
+
+@on_loop
+async def test_a_stream_resumed_on_its_first_gateway_again_is_claimed_back() -> None:
+    directory = MemoryStreamDirectory()
+    streams = ResumableStreams(window_s=30.0, gateway_id="gw-a", directory=directory)
+    key = ("/v1/x", {"a": 1})
+    stream = streams.open("abc", "t1", key, _generation(Canceller()), _no_events, _record())
+    await _settled(streams)
+    streams.detach(stream)
+    assert directory.claim(_record(), "gw-b")  # the client went to gw-b meanwhile
+    assert await streams.resume(EventId.parse("abc:0:1"), "t1", key) is stream
+    assert directory.get("abc") == _record()  # gw-b leaves its copy at its window's end
