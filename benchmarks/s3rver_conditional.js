@@ -6,8 +6,9 @@
 // and its batches. This answers such a PUT 412 when its condition does not hold, the
 // check and the write made atomic per key (one node process serves every request).
 // A conditional PUT's body is read before its key is locked, so a client that dies
-// mid-upload (a broker killed) holds up only its own request, and the object is written
-// to a temporary file and renamed, so a GET never reads half of it.
+// mid-upload (a broker killed) holds up only its own request, and every object is written
+// to a temporary file and renamed, and a GET reads it in one go, so a GET never serves
+// half of it.
 //
 // It also lists from memory: Tansu lists a partition's whole records/ prefix on each fetch
 // that finds new data, and s3rver's own listing walks the directory with blocking stat
@@ -20,6 +21,7 @@ const crypto = require('crypto');
 const fs = require('fs/promises');
 const fsSync = require('fs');
 const path = require('path');
+const { Readable } = require('stream');
 
 const [modulePath, directory, port, bucket] = process.argv.slice(2);
 const S3rver = require(modulePath);
@@ -108,10 +110,64 @@ const server = new S3rver({
 });
 // before the router (the last middleware), after s3rver's own request handling setup
 server.middleware.splice(server.middleware.length - 1, 0, conditionalPut);
-const putObject = server.store.putObject.bind(server.store);
-server.store.putObject = object => {
-  const body = buffered.get(object.content);
-  return body === undefined ? putObject(object) : putBuffered(server.store, object, body);
+// a GET reads the object in one go and takes its length and etag from what it read:
+// s3rver's own stats the file, then opens it, so a PUT renamed in between was served cut
+// to the old length
+async function getWhole(bucketName, key, options) {
+  const objectPath = server.store.getResourcePath(bucketName, key, 'object');
+  let handle;
+  try {
+    handle = await fs.open(objectPath);
+  } catch (err) {
+    if (err.code === 'ENOENT') return null;
+    throw err;
+  }
+  let body, stat;
+  try {
+    [stat, body] = [await handle.stat(), await handle.readFile()];
+  } finally {
+    await handle.close();
+  }
+  let stored;
+  try {
+    const metadataPath = server.store.getResourcePath(bucketName, key, 'metadata.json');
+    stored = JSON.parse(await fs.readFile(metadataPath));
+  } catch (err) {
+    if (err.code !== 'ENOENT') throw err;
+  }
+  const metadata = {
+    ...stored,
+    etag: JSON.stringify(crypto.createHash('md5').update(body).digest('hex')),
+    'last-modified': stat.mtime.toUTCString(),
+    'content-length': body.length,
+  };
+  const lastByte = Math.max(0, body.length - 1);
+  const range = {
+    start: (options && options.start) || 0,
+    end: Math.min((options && options.end) || Infinity, lastByte),
+  };
+  const ranged = options && (options.start !== undefined || options.end);
+  if (range.start < 0 || range.end < range.start) {
+    const object = new S3Object(bucketName, key, null, metadata);
+    if (ranged) object.range = range;
+    return object;
+  }
+  const content = Readable.from([body.subarray(range.start, range.end + 1)]);
+  const object = new S3Object(bucketName, key, content, metadata);
+  if (ranged) object.range = range;
+  return object;
+}
+server.store.getObject = getWhole;
+
+// every PUT, conditional or not, is written whole and renamed into place: a GET racing
+// a PUT of its key (a group's state, rewritten on each member's heartbeat) reads the old
+// object or the new one, never an empty or partial file
+server.store.putObject = async object => {
+  let body = buffered.get(object.content);
+  if (body === undefined) {
+    body = Buffer.isBuffer(object.content) ? object.content : await readAll(object.content);
+  }
+  return putBuffered(server.store, object, body);
 };
 
 const OBJECT_SUFFIX = '._S3rver_object';

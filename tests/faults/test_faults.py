@@ -34,7 +34,7 @@ def test_fault(fault, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
             service_missing(str(exc))
     row = run_fault(fault, REQUESTS, 16, tmp_path)
     table = render({"rows": [row]})
-    print(f"{fault.name}: load {row['seconds']} s, settling {row['settle_seconds']} s")
+    print(f"{fault.name}: load {row['seconds']} s, settling {row['settle_seconds']} s\n{table}")
     assert row["sent"] >= REQUESTS  # more while a fault is still being injected
     assert row["lost"] == 0, table
     assert row["duplicated_tokens"] == 0 and row["missing_tokens"] == 0, table
