@@ -19,7 +19,15 @@ The prediction, for a request of lane L with P prompt tokens:
   one frees when a running request ends; the rate counts the releases after it at their
   average pace. The workers report when their first running request is expected to end
   (the mean over the fresh workers is used). After a burst every slot started at once
-  and frees at once, which the rate alone would miss.
+  and frees at once, which the rate alone would miss. Heartbeats lag a burst, so the
+  gateway also keeps its own view: when its oldest running request (first token seen,
+  no end yet) should end, by the mean time its requests decode (an EWMA); the later of
+  the two is used.
+
+The decision adds a margin to the prediction: a running estimate of the 95th percentile
+of how late first tokens came against their predictions, per lane (a stochastic
+quantile step per observation, never below 0), so a predictor that runs short in this
+deployment refuses earlier rather than letting the lane's tail past its target.
 
 Nothing is refused while no worker has reported a rate (a cold fleet), or when no worker
 was heard for three heartbeat intervals (the engine-down paths answer then), or for a
@@ -48,6 +56,8 @@ from sluice.tracing.metrics import count_slo_refusal, observe_ttft_prediction_er
 LANES = tuple(lane.value for lane in Lane)  # most urgent first
 STALE_AFTER_BEATS = 3  # a worker not heard for this many intervals is left out
 PENDING_TTL_S = 120.0  # a request with no first token this long stops counting as ahead
+MARGIN_QUANTILE = 0.95  # of the lateness (actual - predicted) the margin tracks
+MARGIN_STEP_S = 0.05  # how far one observation moves the margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,10 @@ class SloAdmission:
         self.fleet: FleetLoad | None = None
         self._pending: dict[str, _Pending] = {}
         self._own_ahead = [0] * len(LANES)  # per lane index: this gateway's unstarted tokens
+        self._margin_s = [0.0] * len(LANES)  # per lane index: see the module docstring
+        # this gateway's requests past their first token, oldest first → when it came
+        self._running: dict[str, float] = {}
+        self._decode_s: float | None = None  # EWMA: first token to the end
         self._swept_at = clock()
 
     # -- heartbeats (the reply consumer's thread) --------------------------------------
@@ -125,7 +139,7 @@ class SloAdmission:
         index = LANES.index(lane)
         own = sum(self._own_ahead[: index + 1])
         ahead = max(fleet.ahead_tokens[index], own)
-        wait_s = fleet.first_release_s if ahead else 0.0
+        wait_s = max(fleet.first_release_s, self._own_release_s()) if ahead else 0.0
         return wait_s + (ahead + prompt_tokens) / fleet.prefill_tokens_per_s
 
     def check(self, requests: Sequence[GenerateRequest]) -> None:
@@ -137,7 +151,10 @@ class SloAdmission:
         if target_s is None:
             return
         predicted_s = self.predict(lane, sum(len(r.prompt_token_ids) for r in requests))
-        if predicted_s is None or predicted_s <= target_s:
+        if predicted_s is None:
+            return
+        predicted_s += self.margin_s(lane)
+        if predicted_s <= target_s:
             return
         count_slo_refusal(lane, len(requests))
         raise ServerOverloaded(
@@ -145,6 +162,10 @@ class SloAdmission:
             f" {predicted_s:.1f}s, past its target of {target_s:g}s; retry later",
             retry_after_s=max(1, math.ceil(predicted_s - target_s)),
         )
+
+    def margin_s(self, lane: str) -> float:
+        """What the decision adds to this lane's predictions."""
+        return self._margin_s[LANES.index(lane)]
 
     def published(self, requests: Sequence[GenerateRequest]) -> None:
         """These requests are on their way: they count as ahead until their first token."""
@@ -157,14 +178,35 @@ class SloAdmission:
             self._pending[request.request_id] = _Pending(lane, tokens, predicted, now)
             self._own_ahead[lane] += tokens
 
+    def _own_release_s(self) -> float:
+        """When this gateway's oldest running request should end (0: none, or unknown)."""
+        if not self._running or self._decode_s is None:
+            return 0.0
+        oldest = next(iter(self._running.values()))
+        return max(0.0, self._decode_s - (self._clock() - oldest))
+
     def on_delta(self, delta: TokenDelta) -> None:
-        """A delta reached this gateway: a first token ends its request's wait."""
+        """A delta reached this gateway: a first token ends its request's wait, a last
+        one its decode."""
+        if delta.finish_reason and self._running:
+            started = self._running.pop(delta.request_id, None)
+            if started is not None:
+                decode_s = self._clock() - started
+                current = self._decode_s
+                self._decode_s = (
+                    decode_s if current is None else current + 0.2 * (decode_s - current)
+                )
         if not (delta.token_ids or delta.finish_reason) or not self._pending:
             return
         pending = self._forget(delta.request_id)
+        if pending is not None and delta.token_ids and not delta.finish_reason:
+            self._running[delta.request_id] = self._clock()
         if pending is not None and delta.token_ids and pending.predicted_s is not None:
-            actual_s = self._clock() - pending.published_at
-            observe_ttft_prediction_error(LANES[pending.lane], actual_s - pending.predicted_s)
+            error_s = self._clock() - pending.published_at - pending.predicted_s
+            observe_ttft_prediction_error(LANES[pending.lane], error_s)
+            margin = self._margin_s[pending.lane]
+            step = MARGIN_QUANTILE if error_s > margin else MARGIN_QUANTILE - 1
+            self._margin_s[pending.lane] = max(0.0, margin + MARGIN_STEP_S * step)
 
     def forget(self, request_id: str) -> None:
         """The request was cancelled or never published."""
@@ -182,3 +224,6 @@ class SloAdmission:
         for request_id, pending in list(self._pending.items()):
             if now - pending.published_at > PENDING_TTL_S:
                 self._forget(request_id)
+        for request_id, started in list(self._running.items()):
+            if now - started > PENDING_TTL_S:
+                del self._running[request_id]

@@ -217,6 +217,20 @@ def bench_scale(
     emit(result, render, as_json)
 
 
+@bench_app.command("overload")
+def bench_overload(
+    as_json: JsonFlag = False,
+    quick: Annotated[
+        bool, typer.Option(help="6 s steps instead of 12 s (~1.5 min; full ~3).")
+    ] = False,
+) -> None:
+    """Goodput, admitted p99 TTFT and share refused from 0.5x to 3x capacity, SLO admission
+    on and off (gateway and worker in this process, the sim backend, interactive lane)."""
+    from benchmarks.overload import render, run
+
+    emit(run(quick=quick), render, as_json)
+
+
 @bench_app.command("observability")
 def bench_observability(
     as_json: JsonFlag = False,

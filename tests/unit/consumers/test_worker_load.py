@@ -34,9 +34,9 @@ def test_the_backlog_counts_the_requests_without_a_first_token_per_lane() -> Non
     assert load.num_running == 3 and load.prefill_tokens_per_s is None
 
 
-def test_the_rate_is_measured_only_through_a_backlog_or_when_it_beats_the_estimate() -> None:
+def test_the_rate_counts_only_windows_with_a_backlog_at_both_ends() -> None:
     clock = Clock()
-    meter = LoadMeter(window_s=1.0, alpha=0.5, clock=clock)
+    meter = LoadMeter(window_s=1.0, decay=0.5, clock=clock)
     waiting = [Item("standard", 1000)]
     meter.sample([], 0)
     clock.now += 1.0
@@ -47,27 +47,24 @@ def test_the_rate_is_measured_only_through_a_backlog_or_when_it_beats_the_estima
     assert meter.sample(waiting, 1).prefill_tokens_per_s == pytest.approx(4000)
     clock.now += 1.0
     meter.prefilled(1000)  # backlogged, slower (longer decodes share the engine)
-    assert meter.sample(waiting, 1).prefill_tokens_per_s == pytest.approx(2500)
+    # (4000 * 0.5 + 1000) / (1 * 0.5 + 1)
+    assert meter.sample(waiting, 1).prefill_tokens_per_s == pytest.approx(2000)
     clock.now += 1.0
-    meter.prefilled(100)  # not backlogged at the end, and below the estimate: kept
-    assert meter.sample([], 1).prefill_tokens_per_s == pytest.approx(2500)
-    clock.now += 1.0
-    meter.prefilled(4500)  # not backlogged, but faster than estimated: a lower bound
-    assert meter.sample([], 1).prefill_tokens_per_s == pytest.approx(3500)
+    meter.prefilled(100)  # no backlog at the end: not counted
+    assert meter.sample([], 1).prefill_tokens_per_s == pytest.approx(2000)
 
 
-def test_a_window_spans_heartbeats_until_it_is_long_enough() -> None:
+def test_windows_without_a_first_token_count_their_time() -> None:
     clock = Clock()
-    meter = LoadMeter(window_s=1.0, clock=clock)
+    meter = LoadMeter(window_s=1.0, decay=1.0, clock=clock)
     waiting = [Item("standard", 1000)]
     clock.now += 1.0
     meter.sample(waiting, 2)  # a window closes with a backlog waiting
     for tokens in (2000, 0, 0, 0, 2000, 0, 0, 0):  # first tokens come in bunches
-        assert meter.prefill_tokens_per_s is None  # the window is not over yet
-        clock.now += 0.125
+        clock.now += 0.5
         meter.prefilled(tokens)
         load = meter.sample(waiting, 2)
-    assert load.prefill_tokens_per_s == pytest.approx(4000)
+    assert load.prefill_tokens_per_s == pytest.approx(1000)
 
 
 def test_the_first_release_is_when_the_running_request_nearest_its_end_should_end() -> None:
