@@ -432,8 +432,9 @@ class GatewaySettings(Settings):
         default=15.0,
         ge=0,
         description="a stream whose client went away keeps generating this many seconds for"
-        " the client to resume it (`Last-Event-ID`); not resumed, it is cancelled and billed"
-        " for what ran; 0 cancels at the disconnect",
+        " the client to resume it (`Last-Event-ID`; on any gateway of a fleet with"
+        " SLUICE_REDIS_URL, also after its own was killed); not resumed, it is cancelled"
+        " and billed for what ran; 0 cancels at the disconnect",
     )
     max_n: int = from_config(
         RequestLimits,
@@ -568,8 +569,10 @@ class EngineWorkerSettings(Settings):
         EngineWorkerConfig,
         "gateway_ttl_s",
         ge=0,
-        description="a gateway whose heartbeats stop this many seconds has its requests"
-        " cancelled (billed for what was generated); 0 never cancels",
+        description="a gateway whose heartbeats stop this many seconds, plus the resume"
+        " window they carry (SLUICE_STREAM_RESUME_WINDOW_S: another gateway may take its"
+        " streams over), has its requests cancelled (billed for what was generated); 0"
+        " never cancels",
     )
     engine_wait_s: float = from_config(
         EngineWorkerConfig,
