@@ -250,13 +250,20 @@ class _Injector:
             self._log.append(f"{len(self._pending)} action(s) never ran: the load ended first")
 
 
+READBACK_MAX_WAIT_MS = 1000
+
+
 def _money(fleet: Fleet, outcomes: list[Outcome], db_url: str) -> dict[str, Any]:
     """Σ engine usage (per attempt) and Σ ledger for the run's requests, once they agree."""
     request_ids = {o.request_id for o in outcomes if o.request_id}
     deadline = time.monotonic() + 90
     engine: dict[tuple[str, int], UsageRecord] = {}
     bus = KafkaEventBus(KafkaConfig(bootstrap=fleet.kafka_bootstrap, client_id="faults-usage"))
-    consumer = bus.consumer(f"faults-usage-{uuid.uuid4().hex[:6]}", [USAGE_TOPIC])
+    # it reads the usage topic from its start: on S3 storage a fetch reads every batch
+    # after its offset from the store before it answers, so it gets a wait that allows it
+    wait_ms = READBACK_MAX_WAIT_MS if fleet.durable else None
+    consumer = bus.consumer(f"faults-usage-{uuid.uuid4().hex[:6]}", [USAGE_TOPIC],
+                            max_wait_ms=wait_ms)  # fmt: skip
     try:
         ledger: dict[str, int] = {}
         while True:

@@ -145,11 +145,11 @@ class Broker(TansuBroker):
 
 API_KEY = "sk-faults"
 
-# Tansu on S3 storage answers a fetch with calls to the store (its partition's batches
-# listed, read), so the consumers' fetch wait sets how hard they work the store: at the
-# default's 5 ms their fetches keep it so busy that produces queue behind them and
-# requests time out. A deployment on durable storage sets SLUICE_KAFKA_FETCH_MAX_WAIT_MS
-# the same way.
+# Tansu on S3 storage answers a fetch only once it has listed the partition's batches and
+# read those after the fetch's offset from the store; a fetch whose wait runs out first
+# comes back empty and is asked again. At the default's 5 ms a consumer that is a few
+# batches behind never catches up and keeps the store busy, so requests time out. A
+# deployment on durable storage sets SLUICE_KAFKA_FETCH_MAX_WAIT_MS the same way.
 DURABLE_FETCH_MAX_WAIT_MS = 100
 
 
