@@ -24,7 +24,7 @@ The prediction, for a request of lane L with P prompt tokens:
   no end yet) should end, by the mean time its requests decode (an EWMA); the later of
   the two is used.
 
-The decision adds a margin to the prediction: a running estimate of the 95th percentile
+The decision adds a margin to the prediction: a running estimate of the 99th percentile
 of how late first tokens came against their predictions, per lane (a stochastic
 quantile step per observation, never below 0), so a predictor that runs short in this
 deployment refuses earlier rather than letting the lane's tail past its target.
@@ -56,7 +56,7 @@ from sluice.tracing.metrics import count_slo_refusal, observe_ttft_prediction_er
 LANES = tuple(lane.value for lane in Lane)  # most urgent first
 STALE_AFTER_BEATS = 3  # a worker not heard for this many intervals is left out
 PENDING_TTL_S = 120.0  # a request with no first token this long stops counting as ahead
-MARGIN_QUANTILE = 0.95  # of the lateness (actual - predicted) the margin tracks
+MARGIN_QUANTILE = 0.99  # of the lateness (actual - predicted) the margin tracks
 MARGIN_STEP_S = 0.05  # how far one observation moves the margin
 
 

@@ -163,12 +163,12 @@ def test_first_tokens_later_than_predicted_raise_the_lanes_margin_and_earlier_on
         slo.heard(beat("w1", {}, rate=1000.0))
         slo.on_delta(TokenDelta(request_id=f"late{i}", seq_no=0, token_ids=[1]))
     margin = slo.margin_s("interactive")
-    assert 0.9 < margin <= 1.0 + 0.05 * 0.95
+    assert 0.9 < margin <= 1.0 + 0.05 * 0.99
     assert slo.margin_s("standard") == 0.0
     # 1,600 tokens: 1.6 s predicted, within the 2 s target but not with the margin
     with pytest.raises(ServerOverloaded):
         slo.check([request("r", Lane.INTERACTIVE, 1600)])
-    for i in range(500):  # on time again: the margin comes down to nothing
+    for i in range(2500):  # on time again: the margin comes down to nothing
         slo.published([request(f"ok{i}", Lane.INTERACTIVE, 500)])
         slo.on_delta(TokenDelta(request_id=f"ok{i}", seq_no=0, token_ids=[1]))
     assert slo.margin_s("interactive") == 0.0
