@@ -4,8 +4,8 @@ A stream's deltas go to the reply topic of the gateway it was published from, fo
 whole run. When that gateway died and a client resumed the stream here (`api.resume`,
 `storage.streams`), this gateway reads that topic from its start, so the taken-over
 stream's deltas come again from its first (the generation keeps only what is new), and
-heartbeats for that reply target while it reads it: the engine workers, which cancel
-the requests of a silent gateway (`consumers.gateway_liveness`), see it read again.
+names the requests it follows on heartbeats of its own: the engine workers, which cancel
+the requests of a silent gateway (`consumers.gateway_liveness`), let those run on.
 One thread per followed target; it stops once none of its requests is live.
 """
 
@@ -28,14 +28,15 @@ logger = logging.getLogger(__name__)
 
 class ReplyFollower:
     """Reads `reply_to`'s reply topic from its start on its own thread; hands each poll's
-    batches to `hand_over` and heartbeats as `reply_to` while one of the requests it
-    follows is still `tracked`."""
+    batches to `hand_over` and heartbeats as `gateway_id`, naming the requests it
+    follows, while one of them is still `tracked`."""
 
     def __init__(
         self,
         bus: EventBus,
         reply_to: str,
         *,
+        gateway_id: str,
         hand_over: Callable[[list[TokenDeltaBatch]], None],
         tracked: Callable[[str], bool],
         heartbeat_s: float,
@@ -43,6 +44,7 @@ class ReplyFollower:
         poll_timeout_s: float = 0.1,
     ) -> None:
         self.reply_to = reply_to
+        self._gateway_id = gateway_id
         self._bus = bus
         self._hand_over = hand_over
         self._tracked = tracked
@@ -62,7 +64,9 @@ class ReplyFollower:
             if self._stopping.is_set():
                 return False
             self._request_ids.update(request_ids)
-            return True
+        if self._thread.is_alive():
+            self._beat()  # at once: the workers may be counting their gateway's silence down
+        return True
 
     def _live(self) -> bool:
         with self._lock:
@@ -72,7 +76,7 @@ class ReplyFollower:
             return not self._stopping.is_set()
 
     def start(self) -> None:
-        self._beat()  # at once: the workers may be counting this target's silence down
+        self._beat()  # see `follow`
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -116,13 +120,16 @@ class ReplyFollower:
     def _beat(self) -> None:
         if self._heartbeat_s <= 0:
             return
+        with self._lock:
+            follows = sorted(self._request_ids)
         beat = Heartbeat(
-            sender_id=self.reply_to,
+            sender_id=self._gateway_id,
             role="gateway",
             interval_ms=int(self._heartbeat_s * 1000),
             resume_window_ms=self._resume_window_ms,
+            follows=follows,
         )
         try:
-            self._bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self.reply_to.encode())
+            self._bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self._gateway_id.encode())
         except BusError as exc:
-            logger.warning("heartbeat for %s not published: %s", self.reply_to, exc)
+            logger.warning("heartbeat following %s not published: %s", self.reply_to, exc)

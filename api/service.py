@@ -250,6 +250,7 @@ class GatewayService:
             follower = ReplyFollower(
                 self.bus,
                 reply_to,
+                gateway_id=self.gateway_id,
                 hand_over=self._hand_over,
                 tracked=self._tracks.__contains__,
                 heartbeat_s=self.heartbeat_s,

@@ -143,6 +143,9 @@ class Heartbeat(Message):
     # a gateway's: how long its parked streams wait for a resume (`api.resume`), which
     # workers add to its ttl before cancelling its requests (left out when 0)
     resume_window_ms: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
+    # a gateway's: the requests of other gateways' streams it took over and reads on
+    # their reply topics; they run on while it beats, however silent their own gateway
+    follows: list[str] = Field(default_factory=list, exclude_if=lambda v: not v)
 
 
 class TopLogprob(BaseModel):

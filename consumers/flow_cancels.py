@@ -2,8 +2,8 @@
 
 Cancels are remembered (`consumers.cancels`) for requests that arrive later. Heartbeats
 come in on the control consumer too; this worker publishes its own, and the requests of
-a gateway gone silent are cancelled (`consumers.gateway_liveness`). The item's own
-ending is `ItemEndings.cancel`.
+a gateway gone silent are cancelled (`consumers.gateway_liveness`), but for those another
+gateway took over. The item's own ending is `ItemEndings.cancel`.
 """
 
 from __future__ import annotations
@@ -87,7 +87,12 @@ class FlowCancels:
         if not gone:
             return
         for item in list(self._held):
-            if item.request.reply_to in gone and item.end is None:
+            request = item.request
+            if (
+                request.reply_to in gone
+                and item.end is None
+                and not self._gateways.followed(request.request_id)
+            ):
                 logger.warning(
                     "request_id=%s tenant_id=%s cancelled: its gateway %s is gone",
                     *ids(item),

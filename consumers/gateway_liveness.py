@@ -7,8 +7,9 @@ client never got. Each gateway publishes a `Heartbeat` every `heartbeat_s` on
 a gateway it heard before and has not heard for `ttl_s` (billed for what was generated
 until then, as a client's disconnect is). A gateway that parks streams for a client to
 resume (on any gateway: `api.resume`) says how long on its heartbeat; its requests get
-that much longer, so a stream whose gateway died can still be taken over by another,
-which then heartbeats for the dead one's reply target while it reads it.
+that much longer, so a stream whose gateway died can still be taken over by another.
+That one names the requests it took over on its own heartbeats (`follows`): they run on
+while it is heard, and the dead gateway's others are cancelled as before.
 
 Silence alone is not death: a broker outage silences every gateway at once. So a gateway
 is judged only while the heartbeat stream flows: the worker heard its own heartbeat
@@ -41,6 +42,7 @@ class GatewayLiveness:
         self._forget_after_s = forget_after_s
         # gateway id → when last heard, and how long past the ttl its streams wait
         self._gateways: dict[str, tuple[float, float]] = {}
+        self._followed: dict[str, float] = {}  # request id → when a gateway last named it
         self._own_heard = -float("inf")  # this worker's heartbeat came back (the stream flows)
         self._flowing_since = clock()
         self._last_heard = -float("inf")  # any heartbeat
@@ -53,6 +55,8 @@ class GatewayLiveness:
         self._last_heard = now
         if beat.role == "gateway":
             self._gateways[beat.sender_id] = (now, beat.resume_window_ms / 1000)
+            for request_id in beat.follows:
+                self._followed[request_id] = now
         elif beat.sender_id == self.worker_id:
             self._own_heard = now
 
@@ -72,6 +76,11 @@ class GatewayLiveness:
             load=load,
         )
 
+    def followed(self, request_id: str) -> bool:
+        """Another gateway took this request's stream over and was heard within the ttl."""
+        heard = self._followed.get(request_id)
+        return heard is not None and self._clock() - heard <= self.ttl_s
+
     def gone(self) -> set[str]:
         """The gateways heard before and silent for `ttl_s` (plus their resume window)
         while the stream flows."""
@@ -87,6 +96,9 @@ class GatewayLiveness:
         for gateway, (heard, _) in list(self._gateways.items()):
             if now - heard > self._forget_after_s:
                 del self._gateways[gateway]
+        for request_id, heard in list(self._followed.items()):
+            if now - heard > self.ttl_s:
+                del self._followed[request_id]
         return {
             g
             for g, (heard, window_s) in self._gateways.items()

@@ -27,8 +27,11 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
-MAX_TOKENS = 1000
-GATEWAY_TTL_S = 1.0
+MAX_TOKENS = 2000
+GATEWAY_TTL_S = 0.5
+# short, so that the killed gateway is judged gone while its stream still runs on the
+# gateway that took it over: the workers let it run because that one names it
+RESUME_WINDOW_S = 1.5
 Events = list[tuple[str | None, str]]
 
 
@@ -111,9 +114,9 @@ def test_a_stream_resumes_on_another_gateway_after_its_own_was_killed(
         "SLUICE_REDIS_URL": REDIS_URL,
         "SLUICE_KAFKA_BOOTSTRAP": dedicated_kafka,
         "SLUICE_DATA_DIR": str(data_dir),
-        "SLUICE_STREAM_RESUME_WINDOW_S": "30",
-        # a killed gateway without streams to resume would lose its requests in a second
-        "SLUICE_HEARTBEAT_S": "0.5",
+        "SLUICE_STREAM_RESUME_WINDOW_S": str(RESUME_WINDOW_S),
+        # a killed gateway without streams to resume would lose its requests within a second
+        "SLUICE_HEARTBEAT_S": "0.25",
         "SLUICE_GATEWAY_TTL_S": str(GATEWAY_TTL_S),
     }
     sluice_cli(env, "migrate")
@@ -147,7 +150,7 @@ def test_a_stream_resumes_on_another_gateway_after_its_own_was_killed(
         assert first[-1][1] != "[DONE]"
         # the client comes back later than the workers' ttl for a silent gateway: the
         # scenario itself, not an ordering (only the resume window keeps the stream)
-        time.sleep(3 * GATEWAY_TTL_S)
+        time.sleep(1.2 * GATEWAY_TTL_S)
         last_id = [i for i, _ in first if i is not None][-1]
         resumed_id, rest = _stream(ports[1], key, last_id=last_id)
 

@@ -63,9 +63,23 @@ def test_a_gateway_that_parks_streams_gets_its_resume_window_past_the_ttl() -> N
     assert live.gone() == set()  # 8 s silent: within ttl + window
     beats(live, clock, 2, "gw-b")
     assert live.gone() == {"gw-a"}
-    # another gateway that took its streams over heartbeats for its reply target
-    live.heard(Heartbeat(sender_id="gw-a", role="gateway", interval_ms=1000, resume_window_ms=4000))
-    assert live.gone() == set()
+
+
+def test_a_request_another_gateway_follows_runs_on_while_that_one_is_heard() -> None:
+    clock = Clock()
+    live = GatewayLiveness("w1", heartbeat_s=1.0, ttl_s=5.0, clock=clock)
+    beats(live, clock, 10, "gw-a", "gw-b")
+    took_over = Heartbeat(sender_id="gw-b", role="gateway", interval_ms=1000, follows=["r1"])
+    live.heard(took_over)
+    assert live.followed("r1")
+    assert not live.followed("r2")  # another of gw-a's requests: nobody took it over
+    beats(live, clock, 5, "gw-b")
+    live.heard(took_over)
+    beats(live, clock, 4, "gw-b")
+    assert live.gone() == {"gw-a"}
+    assert live.followed("r1")
+    beats(live, clock, 2, "gw-b")  # gw-b stopped naming it (its stream ended)
+    assert not live.followed("r1")
 
 
 def test_a_gateway_beat_without_a_window_reads_as_before() -> None:
