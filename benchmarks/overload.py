@@ -12,7 +12,8 @@ httpx.
 
 First the capacity is measured (a closed loop of twice the slots, requests completed
 per second); then for each offered load (0.5x to 3x of it) the two arms run back to
-back: admission on (SLUICE_SLO_ADMISSION, the interactive target) and off. Per step:
+back on the same seeded arrivals and requests: admission on (SLUICE_SLO_ADMISSION, the
+interactive target) and off. Per step:
 goodput (requests per second whose first token came within the target), the p99 TTFT
 of admitted requests (a request still without a first token when the step ends counts
 as infinitely late), and the share refused (429 server_overloaded). Requests still
@@ -279,8 +280,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         for load in LOADS:
             for on in (True, False):
                 served.admission(on)
+                arrivals = random.Random(int(load * 100))  # both arms: the same requests
                 figures = asyncio.run(
-                    _step(served.base_url, load * capacity, step_s, 2 * TARGET_S, rng)
+                    _step(served.base_url, load * capacity, step_s, 2 * TARGET_S, arrivals)
                 )
                 served.drain()
                 steps.append({"load": load, "admission": "on" if on else "off", **figures})
