@@ -109,7 +109,9 @@ class BusSettings(SettingsBase):
         le=10_000,
         description="how long the broker may hold a consumer's empty fetch; Apache Kafka "
         "answers a held fetch as soon as a record arrives, so raise it there (100-500) to "
-        "spare the broker; Tansu holds it the whole wait, so keep it short there",
+        "spare the broker; Tansu on memory storage holds it the whole wait, so keep it "
+        "short there; Tansu on S3 storage answers empty when its store reads outlast the "
+        "wait, so use 100 or more there",
     )
     heartbeat_s: float = from_config(
         EngineWorkerConfig,
