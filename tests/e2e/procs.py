@@ -12,7 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from sluice.storage.health import check_database, check_redis
 from sluice.tansu import free_port
+from tests.integration.storage.stores import DATABASE_URL, REDIS_URL, pg_schema
+from tests.services import service_missing
 from tests.waiting import wait_until
 
 API_KEY = "sk-e2e-key"
@@ -93,3 +96,16 @@ def serving(
 
 
 __all__ = ["API_KEY", "SluiceProcess", "free_port", "serving", "serving_args", "wait_ready"]
+
+
+@contextmanager
+def fleet_database(prefix: str) -> Iterator[str]:
+    """A PostgreSQL schema of its own for a fleet of processes that also share Redis; a
+    missing service fails the test in CI and skips it elsewhere."""
+    try:
+        check_database(DATABASE_URL)
+        check_redis(REDIS_URL)
+    except Exception as exc:
+        service_missing(f"PostgreSQL or Redis: {exc}")
+    with pg_schema(prefix) as url:
+        yield url

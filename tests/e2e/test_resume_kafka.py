@@ -4,7 +4,6 @@ PostgreSQL: gateway A is killed -9 mid-stream, the client resumes on gateway B w
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,11 +16,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from sluice.storage.health import check_database, check_redis
-from tests.e2e.procs import SluiceProcess, free_port, wait_ready
+from tests.e2e.procs import SluiceProcess, fleet_database, free_port, wait_ready
 from tests.e2e.test_tenancy_processes import sluice_cli
-from tests.integration.storage.stores import DATABASE_URL, REDIS_URL, pg_schema
-from tests.services import service_missing
+from tests.integration.storage.stores import REDIS_URL
+from tests.sse import Events, read_events
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -32,17 +30,11 @@ GATEWAY_TTL_S = 0.5
 # short, so that the killed gateway is judged gone while its stream still runs on the
 # gateway that took it over: the workers let it run because that one names it
 RESUME_WINDOW_S = 1.5
-Events = list[tuple[str | None, str]]
 
 
 @pytest.fixture(scope="module")
 def database_url() -> Iterator[str]:
-    try:
-        check_database(DATABASE_URL)
-        check_redis(REDIS_URL)
-    except Exception as exc:
-        service_missing(f"PostgreSQL or Redis: {exc}")
-    with pg_schema("sluice_resume") as url:
+    with fleet_database("sluice_resume") as url:
         yield url
 
 
@@ -58,21 +50,6 @@ def _body() -> dict[str, Any]:
     }
 
 
-def _read(lines: Iterator[str], events: Events, stop_after: int | None = None) -> None:
-    """Append the (id, data) events of a response's `lines` to `events`, until
-    `stop_after` of them or the connection ends (cleanly or not)."""
-    event_id = None
-    with contextlib.suppress(httpx.HTTPError):
-        for line in lines:
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                events.append((event_id, line[6:]))
-                event_id = None
-                if stop_after is not None and len(events) >= stop_after:
-                    return
-
-
 def _stream(port: int, key: str, last_id: str | None = None) -> tuple[str, Events]:
     headers = {"Authorization": f"Bearer {key}"}
     if last_id is not None:
@@ -81,7 +58,7 @@ def _stream(port: int, key: str, last_id: str | None = None) -> tuple[str, Event
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     with httpx.stream("POST", url, json=_body(), headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        _read(r.iter_lines(), events)
+        read_events(r.iter_lines(), events)
     return r.headers["x-request-id"], events
 
 
@@ -142,11 +119,11 @@ def test_a_stream_resumes_on_another_gateway_after_its_own_was_killed(
             assert r.status_code == 200, r.read()
             request_id = r.headers["x-request-id"]
             lines = r.iter_lines()
-            _read(lines, first, stop_after=6)
+            read_events(lines, first, stop_after=6)
             assert gw_a.proc is not None
             os.killpg(gw_a.proc.pid, signal.SIGKILL)  # mid-stream
             gw_a.proc.wait()
-            _read(lines, first)  # what was on its way when it died
+            read_events(lines, first)  # what was on its way when it died
         assert first[-1][1] != "[DONE]"
         # the client comes back later than the workers' ttl for a silent gateway: the
         # scenario itself, not an ordering (only the resume window keeps the stream)

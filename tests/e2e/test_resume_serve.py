@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.e2e.procs import API_KEY, serving
+from tests.sse import Events, read_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -54,33 +55,25 @@ def _body(max_tokens: int) -> dict[str, Any]:
 
 def _stream(
     base: str, body: dict[str, Any], stop_after: int | None = None, last_id: str | None = None
-) -> tuple[str, list[tuple[str | None, str]]]:
+) -> tuple[str, Events]:
     """(x-request-id, the (id, data) events read); stops after `stop_after` events."""
     headers = dict(HEADERS)
     if last_id is not None:
         headers["Last-Event-ID"] = last_id
-    events: list[tuple[str | None, str]] = []
+    events: Events = []
     url = f"{base}/v1/chat/completions"
     with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        event_id = None
-        for line in r.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                events.append((event_id, line[6:]))
-                event_id = None
-                if stop_after is not None and len(events) >= stop_after:
-                    break  # leaving the block closes the connection
+        read_events(r.iter_lines(), events, stop_after)  # returning closes the connection
         return r.headers["x-request-id"], events
 
 
-def _text(events: list[tuple[str | None, str]]) -> str:
+def _text(events: Events) -> str:
     chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
     return "".join(c["delta"].get("content") or "" for ch in chunks for c in ch["choices"])
 
 
-def _shown_usage(events: list[tuple[str | None, str]]) -> dict[str, Any]:
+def _shown_usage(events: Events) -> dict[str, Any]:
     [usage] = [json.loads(d)["usage"] for _, d in events if d != "[DONE]" and '"usage":{' in d]
     return usage
 

@@ -14,22 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.storage.health import check_database, check_redis
-from tests.e2e.procs import SluiceProcess, free_port, wait_ready
-from tests.integration.storage.stores import DATABASE_URL, REDIS_URL, pg_schema
-from tests.services import service_missing
+from tests.e2e.procs import SluiceProcess, fleet_database, free_port, wait_ready
+from tests.integration.storage.stores import REDIS_URL
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 @pytest.fixture(scope="module")
 def database_url() -> Iterator[str]:
-    try:
-        check_database(DATABASE_URL)
-        check_redis(REDIS_URL)
-    except Exception as exc:
-        service_missing(f"PostgreSQL or Redis: {exc}")
-    with pg_schema("sluice_e2e") as url:
+    with fleet_database("sluice_e2e") as url:
         yield url
 
 

@@ -19,6 +19,7 @@ import pytest
 from sluice.api.app import create_app
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import TopicLayout
+from tests.sse import Events, read_events
 from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 from tests.waiting import wait_until
@@ -80,18 +81,10 @@ class Sse:
 
 def _read(response: httpx.Response, sse: Sse, stop_after: int | None = None) -> Sse:
     """Read events into `sse`; with `stop_after`, stop once that many were read."""
-    event_id, data = None, None
-    for line in response.iter_lines():
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data = line[6:]
-        elif line == "" and data is not None:
-            sse.ids.append(event_id)
-            sse.data.append(data)
-            event_id, data = None, None
-            if stop_after is not None and len(sse.data) >= stop_after:
-                break
+    events: Events = list(zip(sse.ids, sse.data, strict=True))
+    read_events(response.iter_lines(), events, stop_after)
+    sse.ids[:] = [event_id for event_id, _ in events]
+    sse.data[:] = [data for _, data in events]
     return sse
 
 
