@@ -6,7 +6,9 @@ its finish was read), and how many events went out since those last changed
 (`<call>:<tokens>[f],…:<i>`). A client whose connection dropped sends the same request
 again with `Last-Event-ID`; the gateway reads the call's events again from the first
 through the same formatting, silently up to that id, and sends what follows, then the
-live rest. Nothing is published again, so the call is billed once.
+live rest. Nothing is published again, so the call is billed once. A Responses stream
+kept in the response store resumes through its store instead (`api.stored_responses`,
+ids `<response id>:<sequence_number>`).
 
 A stream's connection that ends, whether or not every event went out, parks it for
 `resume_window_s`; the generation keeps running meanwhile (bounded by its max_tokens and
@@ -355,9 +357,14 @@ async def _quietly(fn: Callable[..., None], *args: Any) -> None:
 
 
 def _not_found(event_id: EventId, shared: bool = False) -> NotFound:
+    return not_resumable(str(event_id), shared)
+
+
+def not_resumable(last_event_id: str, shared: bool = False) -> NotFound:
+    """404 for a `Last-Event-ID` whose stream this gateway cannot resume."""
     where = "" if shared else ", or it ran on another gateway"
     return NotFound(
-        f"no stream to resume for {_PARAM} {str(event_id)[:80]!r}: it ended, its resume"
+        f"no stream to resume for {_PARAM} {last_event_id[:80]!r}: it ended, its resume"
         f" window passed{where}",
         param=_PARAM,
         code="stream_not_found",

@@ -9,6 +9,12 @@ Sits between the `/v1/responses` routes and the response store (`storage.respons
   `follow` replays the stored events after N and follows live: from this gateway's
   memory when it runs the response here, else by polling the store, so any gateway
   serves any stored response.
+- A streamed stored response (`stream`, `store`) runs the same way, and the POST's SSE
+  body follows it from the first event; each event's SSE `id:` is
+  `<response id>:<sequence_number>`. The same request asked again with `Last-Event-ID`
+  follows from after that event on the gateway that runs it (`resume_streamed`);
+  nothing is published again. A run with no follower left is cancelled once
+  `window_s` passed without one coming back, billed for what ran, stored `cancelled`.
 - A gateway that died leaves its running responses leased to nobody: every gateway's
   sweep fails those whose lease lapsed (status "failed", a clear error, a last
   `response.failed` event), so a restart never leaves one `in_progress` forever. They
@@ -35,6 +41,7 @@ from typing import Any
 from sluice.api.errors import APIError, InvalidRequest, NotFound
 from sluice.api.generation import Generation
 from sluice.api.responses_format import ResponsesFormat
+from sluice.api.resume import not_resumable
 from sluice.api.service import GatewayService
 from sluice.storage.responses import ResponseStore, StoredResponse
 
@@ -49,6 +56,9 @@ TERMINAL = frozenset(
     {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 )
 STOP_WAIT_S = 5.0  # how long a stopping gateway waits for its responses' last writes
+# a streamed response whose first follower never began reading (its client left before
+# the body started) is parked as one whose client left, after at least this long
+FIRST_READ_S = 10.0
 SHUT_DOWN = "the server shut down before this background response finished; create it again"
 ORPHANED = {
     "code": "server_error",
@@ -62,11 +72,17 @@ def not_found(response_id: str) -> NotFound:
 
 
 class _Run:
-    """A background response running on this gateway: its events so far, for followers."""
+    """A background (or streamed stored) response running on this gateway: its events so
+    far, for followers."""
 
     def __init__(self, response_id: str, generation: Generation) -> None:
         self.response_id = response_id
         self.generation = generation
+        # a streamed one: who may resume it, and its followers now
+        self.tenant_id = ""
+        self.request_key: Any = None
+        self.followers = 0
+        self.expiry: asyncio.TimerHandle | None = None
         self.events: list[dict[str, Any]] = []
         self.cancel_requested = False
         self.ended = asyncio.Event()
@@ -94,6 +110,7 @@ class ResponseKeeper:
         self.service = service
         self.retention_s = retention_s
         self._runs: dict[str, _Run] = {}
+        self._streamed: dict[str, _Run] = {}  # resumable: until a window after the last follower
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -181,26 +198,112 @@ class ResponseKeeper:
         except BaseException:
             generation.abandon("response not stored")
             raise
-        run = self._runs[fmt.id] = _Run(fmt.id, generation)
+        self._start(_Run(fmt.id, generation), fmt, ping_s)
+        return queued
+
+    def _start(self, run: _Run, fmt: ResponsesFormat, ping_s: float) -> None:
+        self._runs[run.response_id] = run
         task = asyncio.create_task(self._run(run, fmt, ping_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return queued
+
+    async def run_streamed(
+        self,
+        fmt: ResponsesFormat,
+        generation: Generation,
+        tenant_id: str,
+        items: list[dict[str, Any]],
+        ping_s: float,
+        request_key: Any,
+        window_s: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Store the in-progress response, run it as a task; its events for the POST that
+        created it (see the module docstring)."""
+        owner = self.service.gateway_id
+        try:
+            await asyncio.to_thread(
+                self.store.create, fmt.response("in_progress"), tenant_id, items,
+                background=False, owner=owner, lease_s=LEASE_S,
+            )  # fmt: skip
+        except BaseException:
+            generation.abandon("response not stored")
+            raise
+        run = _Run(fmt.id, generation)
+        run.tenant_id, run.request_key = tenant_id, request_key
+        self._streamed[fmt.id] = run
+        self._start(run, fmt, ping_s)
+        run.expiry = asyncio.get_running_loop().call_later(
+            max(window_s, FIRST_READ_S), self._expire, run
+        )
+        return self._attached(run, -1, window_s)
+
+    def resume_streamed(
+        self, response_id: str, after: int, tenant_id: str, request_key: Any, window_s: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events after `after` of a streamed response this gateway runs (or ran
+        within the window), then the live rest. 404 for one it does not hold or another
+        tenant's; 400 for another request."""
+        run = self._streamed.get(response_id)
+        if run is None or run.tenant_id != tenant_id:
+            raise not_resumable(f"{response_id}:{after}")
+        if run.request_key != request_key:
+            raise InvalidRequest(
+                "Last-Event-ID belongs to a stream of another request; send the same request"
+                " again to resume it",
+                param="Last-Event-ID",
+                code="invalid_value",
+            )
+        return self._attached(run, after, window_s)
+
+    async def _attached(
+        self, run: _Run, after: int, window_s: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        run.followers += 1
+        if run.expiry is not None:
+            run.expiry.cancel()
+            run.expiry = None
+        try:
+            async for event in self._follow(run.response_id, run.tenant_id, after):
+                yield event
+        finally:
+            run.followers -= 1
+            if run.followers == 0:
+                # parked even when every event went out: sent is not received
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # finalized with no loop left (shutdown): no one resumes
+                    self._streamed.pop(run.response_id, None)
+                else:
+                    run.expiry = loop.call_later(max(window_s, 0), self._expire, run)
+
+    def _expire(self, run: _Run) -> None:
+        """No follower came back within the window: cancelled if it still runs (billed
+        for what ran), and no longer resumable."""
+        run.expiry = None
+        if run.followers:
+            return
+        if self._streamed.get(run.response_id) is run:
+            del self._streamed[run.response_id]
+        if not run.ended.is_set():
+            logger.info("streamed response %s not resumed: cancelled", run.response_id)
+            self._cancel_local(run.response_id)
 
     async def _run(self, run: _Run, fmt: ResponsesFormat, ping_s: float) -> None:
         pending: list[dict[str, Any]] = []
         flushed_at = time.monotonic()
         final: dict[str, Any] | None = None
+        last: dict[str, Any] | None = None  # goes out once stored, so a GET then reads it
         try:
             events = fmt.events(run.generation, ping_s, lambda: run.cancel_requested)
             async for event in events:
                 body = None
                 if event is not None:
-                    run.add(event)
                     pending.append(event)
                     if event["type"] in TERMINAL:
-                        final = event["response"]
-                    elif event["type"] == "response.in_progress":
+                        final, last = event["response"], event
+                    else:
+                        run.add(event)
+                    if event["type"] == "response.in_progress":
                         body = event["response"]
                 due = time.monotonic() - flushed_at >= FLUSH_S
                 if pending and (body is not None or final is not None or due):
@@ -212,14 +315,15 @@ class ResponseKeeper:
             logger.exception("background response %s failed", fmt.id)
             if final is None:
                 error = exc if isinstance(exc, APIError) else APIError("the response failed")
-                failed = fmt.event("response.failed", response=fmt.response("failed", error=error))
-                run.add(failed)
+                last = fmt.event("response.failed", response=fmt.response("failed", error=error))
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(
-                        self.store.write, fmt.id, failed["response"], [*pending, failed],
+                        self.store.write, fmt.id, last["response"], [*pending, last],
                         finished=True,
                     )  # fmt: skip
         finally:
+            if last is not None:
+                run.add(last)
             run.generation.abandon("background response ended")
             self._runs.pop(fmt.id, None)
             run.end()

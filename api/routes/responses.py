@@ -19,7 +19,7 @@ import asyncio
 import copy
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, WebSocket
@@ -34,8 +34,9 @@ from sluice.api.errors import APIError, InvalidRequest, ServiceUnavailable
 from sluice.api.output import OutputPlan
 from sluice.api.prepare import Call
 from sluice.api.responses_format import ResponsesFormat, as_input, input_items, text_format_type
+from sluice.api.resume import not_resumable
 from sluice.api.routes import chat
-from sluice.api.run import resumable_stream, resumed_stream
+from sluice.api.run import resumable_stream, resumed_stream, stream_key
 from sluice.api.schemas import (
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
@@ -44,7 +45,7 @@ from sluice.api.schemas import (
     ResponsesRequest,
 )
 from sluice.api.served import ServedModel
-from sluice.api.stored_responses import TERMINAL, ResponseKeeper, not_found
+from sluice.api.stored_responses import ResponseKeeper, not_found
 from sluice.api.streaming import (
     PING,
     SSEResponse,
@@ -202,6 +203,16 @@ async def create_response(
     principal: Principal = Depends(screened_principal),
     gw: Gateway = Depends(gateway),
 ) -> Response | dict[str, Any]:
+    window_s = gw.service.streams.window_s
+    kept = _STORED_EVENT_ID.fullmatch(request.headers.get("last-event-id", "").strip())
+    if kept is not None and body.stream:  # a stored response's stream, resumed
+        keeper = response_keeper(request)
+        if keeper is None:
+            raise not_resumable(kept.group(0))
+        key = stream_key(request, body)
+        after = int(kept.group(2))
+        events = keeper.resume_streamed(kept.group(1), after, principal.tenant_id, key, window_s)
+        return SSEResponse(_sse_with_ids(kept.group(1), events))
     resumed = await resumed_stream(request, principal, body, gw)  # `Last-Event-ID`
     if resumed is not None:
         return resumed
@@ -241,7 +252,7 @@ async def create_response(
             return SSEResponse(_sse(await keeper.follow(fmt.id, principal.tenant_id, -1)))
         return JSONResponse(queued)
     keep = keeper.keep if stored and keeper is not None else None
-    if body.stream and keep is None:  # a kept one is stored as its last event goes out
+    if body.stream and keep is None:
         return resumable_stream(
             request,
             principal,
@@ -251,11 +262,13 @@ async def create_response(
             gw,
             lambda: _sse(copy.copy(fmt).events(generation, gw.sse_ping_s)),
         )
-    if body.stream:
-        events = fmt.events(generation, gw.sse_ping_s)
-        if keep is not None:
-            events = _kept(events, lambda final: keep(final, principal.tenant_id, items))
-        return SSEResponse(_sse(events, generation.abandon))
+    if body.stream:  # stored as it runs, resumable (`ResponseKeeper.run_streamed`)
+        assert keeper is not None
+        key = stream_key(request, body)
+        events = await keeper.run_streamed(
+            fmt, generation, principal.tenant_id, items, gw.sse_ping_s, key, window_s
+        )
+        return SSEResponse(_sse_with_ids(fmt.id, events))
     results = await collect_answer(request, generation)
     if results is None:
         return Response(status_code=499)
@@ -276,15 +289,17 @@ async def _sse(
             abandon()
 
 
-async def _kept(
-    events: AsyncIterator[dict[str, Any] | None],
-    keep: Callable[[dict[str, Any]], Awaitable[None]],
-) -> AsyncIterator[dict[str, Any] | None]:
-    """The events; the response of the last one is stored before it goes out."""
+# A stored response's event id (`<response id>:<sequence_number>`); a stream's of
+# `api.resume` has three parts, so the two never read as each other.
+_STORED_EVENT_ID = re.compile(r"(resp_[A-Za-z0-9_-]{1,59}):(\d{1,9})")
+
+
+async def _sse_with_ids(
+    response_id: str, events: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[str]:
+    """A stored response's events, each with its SSE `id:` (`_STORED_EVENT_ID`)."""
     async for event in events:
-        if event is not None and event["type"] in TERMINAL:
-            await keep(event["response"])
-        yield event
+        yield f"id: {response_id}:{event['sequence_number']}\n{sse_event(event)}"
 
 
 # -- stored responses --------------------------------------------------------------------

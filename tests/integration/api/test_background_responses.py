@@ -9,9 +9,11 @@ ends it `cancelled` with the usage the ledger bills; another tenant gets 404 for
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import sqlalchemy as sa
@@ -23,6 +25,7 @@ from sluice.storage.quota_memory import MemoryQuotaStore
 from sluice.storage.responses import ResponseStore
 from sluice.storage.tables import UsageEntry
 from tests.integration.billing.gateway_stack import MODEL, Stack, start_stack
+from tests.sse import Events, read_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -187,3 +190,103 @@ def test_another_gateway_on_the_database_follows_and_cancels(db: Database) -> No
         )
     finally:
         fleet.close()
+
+
+# -- a streamed stored response resumes with Last-Event-ID -------------------------------
+def _post_stream(
+    stack: Stack,
+    api_key: str,
+    body: dict[str, Any],
+    stop_after: int | None = None,
+    last_event_id: str | None = None,
+) -> Events:
+    headers = {"Authorization": f"Bearer {api_key}"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = last_event_id
+    events: Events = []
+    url = f"{stack.urls[0]}/v1/responses"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        read_events(r.iter_lines(), events, stop_after)
+    return events
+
+
+def _text(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def test_a_stored_stream_dropped_and_resumed_equals_an_uninterrupted_run(db: Database) -> None:
+    admin.set_price(db, MODEL, input_usd="1", cached_input_usd="0.5", output_usd="2")
+    stack = start_stack(db, MemoryQuotaStore, stream_resume_window_s=30.0)
+    try:
+        tenant = admin.create_tenant(db, "tenant-a")
+        sdk = client(stack, tenant)
+        reference = sdk.responses.create(
+            model=MODEL, input="count", max_output_tokens=120, temperature=0, stream=True
+        )
+        want = "".join(e.delta for e in reference if e.type == "response.output_text.delta")
+        assert len(want) == 120
+
+        body = {
+            "model": MODEL, "input": "count", "max_output_tokens": 120, "temperature": 0,
+            "stream": True,
+        }  # fmt: skip
+        first = _post_stream(stack, tenant["api_key"], body, stop_after=8)
+        last_id = first[-1][0]
+        assert last_id is not None and last_id.startswith("resp_")
+        other = admin.create_tenant(db, "tenant-b")["api_key"]
+        headers = {"Authorization": f"Bearer {other}", "Last-Event-ID": last_id}
+        url = f"{stack.urls[0]}/v1/responses"
+        assert httpx.post(url, json=body, headers=headers).status_code == 404
+        headers["Authorization"] = f"Bearer {tenant['api_key']}"
+        changed = {**body, "input": "other"}
+        assert httpx.post(url, json=changed, headers=headers).status_code == 400
+
+        rest = _post_stream(stack, tenant["api_key"], body, last_event_id=last_id)
+        events = [json.loads(data) for _, data in first + rest]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert _text(events) == want
+        final = events[-1]["response"]
+        assert events[-1]["type"] == "response.incomplete"
+        response_id = final["id"]
+        stored = sdk.responses.retrieve(response_id)
+        assert stored.status == "incomplete" and stored.output_text == want
+        usage = final["usage"]
+        assert usage["output_tokens"] == 120
+        wait_until(lambda: ledger(db, response_id) is not None, 20, "the ledger row")
+        assert ledger(db, response_id) == (usage["input_tokens"], usage["output_tokens"])
+        with db.session() as session:
+            rows = session.scalars(
+                sa.select(UsageEntry).where(
+                    UsageEntry.request_id == "req_" + response_id.removeprefix("resp_")
+                )
+            ).all()
+        assert len(rows) == 1  # billed once
+    finally:
+        stack.close()
+
+
+def test_a_stored_stream_not_resumed_within_the_window_is_cancelled(
+    stack: Stack, db: Database
+) -> None:
+    tenant = admin.create_tenant(db, "tenant-a")  # the stack's window is short
+    sdk = client(stack, tenant)
+    body = {"model": MODEL, "input": "count", "max_output_tokens": 4000, "stream": True}
+    first = _post_stream(stack, tenant["api_key"], body, stop_after=8)
+    response_id = json.loads(first[0][1])["response"]["id"]
+    done = finished(sdk, response_id)
+    assert done.status == "cancelled"
+    assert done.usage is not None and done.usage.output_tokens < 4000
+    assert len(done.output_text) == done.usage.output_tokens  # a letter a token
+    wait_until(lambda: ledger(db, response_id) is not None, 20, "the ledger row")
+    assert ledger(db, response_id) == (done.usage.input_tokens, done.usage.output_tokens)
+    headers = {"Authorization": f"Bearer {tenant['api_key']}", "Last-Event-ID": first[-1][0]}
+    r = httpx.post(f"{stack.urls[0]}/v1/responses", json=body, headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+
+
+def test_a_stored_response_not_streamed_is_kept_as_before(stack: Stack, db: Database) -> None:
+    sdk = client(stack, admin.create_tenant(db, "tenant-a"))
+    created = sdk.responses.create(model=MODEL, input="count", max_output_tokens=6)
+    assert created.status == "incomplete" and len(created.output_text) == 6
+    assert sdk.responses.retrieve(created.id).model_dump() == created.model_dump()
