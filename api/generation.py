@@ -250,6 +250,12 @@ class Generation:
         """Keep the events read from now on (a resumable stream, before its first read)."""
         self._log = []
 
+    def drop_log(self) -> None:
+        """No reader will come back: let the events read so far go now, not whenever the
+        cycle collector reaches the stream's generators."""
+        self._log = None
+        self._replay.clear()
+
     def rewind(self) -> None:
         """A new reader takes over: the events read so far come again, then the rest."""
         assert self._log is not None, "rewind needs keep_log"

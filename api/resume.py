@@ -226,17 +226,17 @@ class ResumableStreams:
         )
         return record
 
-    def detach(self, stream: ResumableStream) -> None:
+    def detach(self, stream: ResumableStream, resumable: bool = True) -> None:
         """Its connection ended: parked for the window, even when every event went out
         (sent is not received: a connection that broke loses what it had in flight);
-        with no window, cancelled at once."""
+        with no window, or not `resumable`, cancelled at once."""
         stream.attached = False
         stream.detached.set()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # finalized with no loop left (shutdown): no one can resume
             loop = None
-        if self.window_s <= 0 or loop is None:
+        if self.window_s <= 0 or loop is None or not resumable:
             self._forget(stream)
             stream.generation.abandon()
             return
@@ -341,6 +341,7 @@ class ResumableStreams:
     def _forget(self, stream: ResumableStream) -> None:
         if self._streams.get(stream.call_id) is stream:
             del self._streams[stream.call_id]
+        stream.generation.drop_log()
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)

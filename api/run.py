@@ -40,7 +40,15 @@ from sluice.api.resume import (
 )
 from sluice.api.schemas import StreamOptions
 from sluice.api.served import ServedModel
-from sluice.api.streaming import DONE, PING, SSEResponse, collect_answer, pump, sse_data
+from sluice.api.streaming import (
+    DONE,
+    PING,
+    SEND_STALLED,
+    SSEResponse,
+    collect_answer,
+    pump,
+    sse_data,
+)
 from sluice.storage.streams import StreamRecord
 
 Payload = dict[str, Any]
@@ -189,7 +197,7 @@ def resumable_stream(
             cid, tenant_id, digest, gateway_id, gateway_id, deadline_ms, generation.created
         )
     stream = streams.open(cid, tenant_id, key, generation, events, record)
-    return SSEResponse(_stream(streams, stream, None))
+    return SSEResponse(_stream(request, streams, stream, None))
 
 
 async def resumed_stream(
@@ -207,7 +215,7 @@ async def resumed_stream(
     streams, tenant_id = gw.service.streams, principal.tenant_id
     if adopt is None or streams.directory is None or streams.has(after.call_id):
         stream = await streams.resume(after, tenant_id, key)
-        return SSEResponse(_stream(streams, stream, after))
+        return SSEResponse(_stream(request, streams, stream, after))
     record = await streams.find_elsewhere(after, tenant_id, key)
     generation, events = await adopt(record)
     stream = streams.open(record.call_id, tenant_id, key, generation, events)
@@ -216,7 +224,7 @@ async def resumed_stream(
     except InvalidRequest:
         streams.detach(stream)  # parked: a resume with a right id may still take it
         raise
-    return SSEResponse(_stream(streams, stream, after))
+    return SSEResponse(_stream(request, streams, stream, after))
 
 
 def stream_key(request: Request, body: Any) -> tuple[str, Any]:
@@ -225,10 +233,10 @@ def stream_key(request: Request, body: Any) -> tuple[str, Any]:
 
 
 async def _stream(
-    streams: ResumableStreams, stream: ResumableStream, after: EventId | None
+    request: Request, streams: ResumableStreams, stream: ResumableStream, after: EventId | None
 ) -> AsyncIterator[str]:
     """The stream's events with their ids, from after `after` when it resumes one; its
-    end parks it for a resume."""
+    end parks it for a resume, unless the server closed a client that stopped reading."""
     ids = EventIds(stream.call_id, stream.generation, after)
     try:
         async for event in stream.events():
@@ -236,7 +244,7 @@ async def _stream(
             if framed is not None:
                 yield framed
     finally:
-        streams.detach(stream)
+        streams.detach(stream, resumable=not request.scope.get("state", {}).get(SEND_STALLED))
 
 
 async def _events(generation: Generation, out: CallAnswer, ping_s: float) -> AsyncIterator[str]:

@@ -36,6 +36,9 @@ T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 PING = ": ping\n\n"
+# set in the ASGI scope's state by the HTTP server when it closes a connection whose client
+# stopped reading: a defence against slow readers, so its stream is not kept for a resume
+SEND_STALLED = "send_stalled"
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 

@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sluice.api.streaming import SEND_STALLED
 from sluice.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             "client stopped reading request_id=%s peer=%s: %s bytes unsent for %ss; closing",
             request_id, self._peer, buffered, self.limits.send_stall_timeout_s,
         )  # fmt: skip
+        if self.scope is not None:
+            self.scope.setdefault("state", {})[SEND_STALLED] = True
         self.transport.abort()
 
     def _arm(self, timeout_s: float, status: http.HTTPStatus) -> None:
