@@ -12,8 +12,10 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+from pydantic import TypeAdapter
 
 from sluice.bus.messages import (
     ENGINE_UNAVAILABLE,
@@ -78,6 +80,30 @@ class ChoiceResult:
     error: str | None = None
     error_code: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+
+
+_LOGPROBS: TypeAdapter[list[TokenLogprob]] = TypeAdapter(list[TokenLogprob])
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A read event as a resumable stream keeps it for a replay: its logprobs as one
+    JSON string, not a model per alternative token (top_logprobs 20 makes a token
+    some 20 objects, and thousands of kept tokens leave the heap grown after they go)."""
+
+    event: StreamEvent
+    logprobs: bytes | None
+
+    @classmethod
+    def of(cls, event: StreamEvent) -> _Kept:
+        if event.logprobs is None:
+            return cls(event, None)
+        return cls(replace(event, logprobs=None), _LOGPROBS.dump_json(event.logprobs))
+
+    def unpack(self) -> StreamEvent:
+        if self.logprobs is None:
+            return self.event
+        return replace(self.event, logprobs=_LOGPROBS.validate_json(self.logprobs))
 
 
 def _client_error(request_id: str, delta: TokenDelta) -> str | None:
@@ -152,8 +178,8 @@ class Generation:
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         # a resumable stream keeps every event read, so that a reader that took over
         # (`rewind`) reads them again from the first before the live ones
-        self._log: list[StreamEvent] | None = None
-        self._replay: deque[StreamEvent] = deque()
+        self._log: list[_Kept] | None = None
+        self._replay: deque[_Kept] = deque()
         # per choice, the tokens and finish of the events read so far: what an SSE event
         # id names (`api.resume.EventIds`)
         self.read_tokens = [0] * len(tracks)
@@ -266,15 +292,16 @@ class Generation:
 
     async def next_event(self, max_wait_s: float) -> StreamEvent | None:
         """The next event; None when `max_wait_s` passed quietly (time for a keep-alive)."""
-        if self._replay:
-            event: StreamEvent | None = self._replay.popleft()
+        kept = self._replay.popleft() if self._replay else None
+        if kept is not None:
+            event: StreamEvent | None = kept.unpack()
         else:
             event = await self._next_live(max_wait_s)
         if event is not None:
             self.read_tokens[event.index] += len(event.token_ids)
             self.read_finished[event.index] |= event.finish_reason is not None
             if self._log is not None:
-                self._log.append(event)
+                self._log.append(kept if kept is not None else _Kept.of(event))
         return event
 
     async def _next_live(self, max_wait_s: float) -> StreamEvent | None:

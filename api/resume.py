@@ -190,9 +190,9 @@ class ResumableStreams:
     ) -> ResumableStream:
         """A new stream, attached to its first connection; its events are kept. `record`
         (where its deltas go, who serves it) is written to the directory, if any."""
-        generation.keep_log()
         stream = ResumableStream(call_id, tenant_id, request_key, generation, events)
-        if self.window_s > 0:
+        if self.window_s > 0:  # with no window nothing resumes: no events to keep
+            generation.keep_log()
             self._streams[call_id] = stream
             directory = self.directory
             if directory is not None and record is not None:

@@ -13,6 +13,7 @@ from sluice.api import resume
 from sluice.api.errors import Conflict, InvalidRequest, NotFound
 from sluice.api.generation import Generation, StreamEvent, Track
 from sluice.api.resume import EventId, EventIds, ResumableStreams
+from sluice.bus.messages import TokenLogprob, TopLogprob
 from sluice.storage.streams import MemoryStreamDirectory, StreamRecord
 
 
@@ -140,6 +141,7 @@ async def test_with_no_window_a_disconnect_cancels_at_once() -> None:
     canceller = Canceller()
     streams = ResumableStreams(window_s=0.0)
     stream = streams.open("abc", "t1", "key", _generation(canceller), _no_events)
+    assert stream.generation._log is None  # nothing resumes it: its events are not kept
     streams.detach(stream)
     assert canceller.cancelled == ["req_abc-0"]
     assert len(streams) == 0
@@ -163,6 +165,21 @@ async def test_a_rewound_generation_reads_its_events_again_then_the_live_ones() 
     assert live is not None and live.text == "c"
     assert generation.read_tokens == [3] and generation.read_finished == [True]
     assert not generation.pending
+
+
+@on_loop
+async def test_a_rewound_generation_reads_its_logprobs_again_as_they_were() -> None:
+    generation = _generation(Canceller())
+    generation.keep_log()
+    top = [TopLogprob(token_id=t, logprob=-0.1 * t - 1 / 3) for t in range(20)]
+    logprobs = [TokenLogprob(token_id=7, logprob=-0.123456789012345, top=top)]
+    generation._queue.put_nowait(StreamEvent(0, "a", [7], logprobs=logprobs))
+    first = await generation.next_event(1.0)
+    for _ in range(2):  # a second reader takes over from the first that took over
+        generation.rewind()
+        again = await generation.next_event(1.0)
+        assert again == first
+        assert again is not None and again.logprobs == logprobs
 
 
 def _record(owner: str = "gw-a") -> StreamRecord:
