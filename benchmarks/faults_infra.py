@@ -342,13 +342,23 @@ def _requests_running(pid: int) -> float:
     return sum(float(v) for v in _RUNNING.findall(text))
 
 
+RUNNING_WAIT_S = 3.0
+
+
 def busiest(pids: list[int], window_s: float = 0.2) -> int:
     """The process doing the work: the engine worker with the most requests in its engine,
     else the one that used the most CPU (with its children) over a short window. CPU
     alone once picked an idle worker, whose poll loop had spun more in 0.1 s."""
-    running = {pid: _requests_running(pid) for pid in pids}
-    if max(running.values(), default=0.0) > 0:
-        return max(pids, key=lambda pid: running[pid])
+    # the engine's stats reach the metrics port a moment after its requests start: ask
+    # again for a while before judging by CPU
+    deadline = time.monotonic() + RUNNING_WAIT_S
+    while True:
+        running = {pid: _requests_running(pid) for pid in pids}
+        if max(running.values(), default=0.0) > 0:
+            return max(pids, key=lambda pid: running[pid])
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
 
     def ticks(pid: int) -> int:
         return sum(cpu_ticks(p) for p in with_children(pid))
