@@ -30,7 +30,7 @@ import httpx
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.bus.topics import Lane, request_topic
+from sluice.bus.topics import Lane, parse_request_topic
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +224,14 @@ def _merged_lag(scrapes: Iterable[Scrape]) -> dict[str, float]:
 
 
 def queue_depth(scrapes: Sequence[Scrape]) -> dict[str, float | None]:
-    """Records not yet consumed per lane (its request topic's lag, over every group);
-    None for a lane whose topic no consumer reports."""
-    lag = _merged_lag(scrapes)
-    return {lane.value: lag.get(request_topic(lane)) for lane in Lane}
+    """Records not yet consumed per lane (its request topics' lag, over every pool and
+    group); None for a lane whose topics no consumer reports."""
+    depth: dict[str, float | None] = {lane.value: None for lane in Lane}
+    for topic, lag in _merged_lag(scrapes).items():
+        parsed = parse_request_topic(topic)
+        if parsed is not None:
+            depth[parsed[1].value] = (depth[parsed[1].value] or 0.0) + lag
+    return depth
 
 
 @dataclass(frozen=True, slots=True)

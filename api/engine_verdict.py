@@ -5,7 +5,8 @@ On the reply path (`api.service`): a delta marked ENGINE_UNAVAILABLE (a worker w
 output or a normal finish clears it (an engine serves again). While the verdict stands, a
 call waits a little for its first delta before its answer starts: a worker that already
 knows refuses it at once, so a stream gets the plain 503 status rather than a 200 whose
-stream ends in the error event. Without a verdict nothing waits.
+stream ends in the error event. Without a verdict nothing waits. Each model pool has its
+own verdict: one pool's engines being down says nothing of another's.
 """
 
 from __future__ import annotations
@@ -25,23 +26,25 @@ class EngineVerdict:
 
     def __init__(self, hold_s: float = HOLD_S) -> None:
         self.hold_s = hold_s
-        self.down: str | None = None  # the worker's message while no engine is up
+        self.down: dict[str, str] = {}  # pool → the worker's message while no engine is up
         self._first: dict[str, asyncio.Future[TokenDelta]] = {}
 
-    def heard(self, delta: TokenDelta) -> None:
-        """Every delta routed to this gateway."""
-        if delta.error_code == ENGINE_UNAVAILABLE:
-            self.down = delta.error or "no engine is up"
-        elif delta.token_ids or delta.finish_reason in ("stop", "length"):
-            self.down = None
+    def heard(self, delta: TokenDelta, pool: str | None) -> None:
+        """Every delta routed to this gateway, with the pool of its request (None: not a
+        request of this gateway's any more)."""
+        if pool is not None:
+            if delta.error_code == ENGINE_UNAVAILABLE:
+                self.down[pool] = delta.error or "no engine is up"
+            elif self.down and (delta.token_ids or delta.finish_reason in ("stop", "length")):
+                self.down.pop(pool, None)
         waiter = self._first.pop(delta.request_id, None) if self._first else None
         if waiter is not None and not waiter.done():
             waiter.set_result(delta)
 
-    def watch(self, request_id: str) -> asyncio.Future[TokenDelta] | None:
+    def watch(self, request_id: str, pool: str) -> asyncio.Future[TokenDelta] | None:
         """Before the call is published (so its first delta is not missed): a future of
-        that delta while the verdict stands, else None."""
-        if self.down is None:
+        that delta while the pool's verdict stands, else None."""
+        if pool not in self.down:
             return None
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
         self._first[request_id] = waiter

@@ -169,9 +169,11 @@ class Generation:
         tenant_id: str,
         wait_until: float | None,
         service: GenerationCanceller,
+        pool: str = "",
     ) -> None:
         self.tracks = tracks
         self.tenant_id = tenant_id
+        self.pool = pool  # the model pool its requests went to
         self.wait_until = wait_until  # time.monotonic() after which we stop waiting
         self.created = int(time.time())
         self._service = service

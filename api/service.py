@@ -36,12 +36,18 @@ from sluice.api.follow import ReplyFollower
 from sluice.api.generation import Generation, Track, accept
 from sluice.api.resume import ResumableStreams
 from sluice.api.server_span import note_generation
-from sluice.api.slo import SloAdmission
+from sluice.api.slo import SloPools
 from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from sluice.bus.codec import decode_as, encode
 from sluice.bus.errors import BusError
 from sluice.bus.messages import Cancel, GenerateRequest, Heartbeat, TokenDelta, TokenDeltaBatch
-from sluice.bus.topics import CONTROL_TOPIC, HEARTBEATS_TOPIC, reply_topic, request_topic
+from sluice.bus.topics import (
+    CONTROL_TOPIC,
+    HEARTBEATS_TOPIC,
+    pool_id,
+    reply_topic,
+    request_topic,
+)
 from sluice.tracing.metrics import time_publish
 from sluice.tracing.propagation import inject_headers
 from sluice.tracing.spans import SendSpan
@@ -96,7 +102,7 @@ class GatewayService:
         self._terminal_hook: TerminalHook | None = None
         self._awaiting: dict[str, tuple[GenerateRequest, float]] = {}
         # SLO admission (`api.slo`), set before `start`: it reads the workers' heartbeats
-        self.slo: SloAdmission | None = None
+        self.slo: SloPools | None = None
         # streams a client whose connection dropped may resume (`Last-Event-ID`)
         # (with `streams.directory` set, also streams another gateway ran)
         self.streams = ResumableStreams(resume_window_s, self.gateway_id)
@@ -166,21 +172,19 @@ class GatewayService:
         tenant_id = generation.tenant_id
         if self._terminal_hook is not None:
             self._await_terminals(requests)
-        first = self.verdict.watch(requests[0].request_id)
+        pool = generation.pool
+        first = self.verdict.watch(requests[0].request_id, pool)
         refusal = None
         try:
-            send = SendSpan(
-                request_topic(requests[0].lane), tenant_id, requests[0].request_id, len(requests)
-            )
+            topic = request_topic(requests[0].lane, pool)  # one call: one model, one lane
+            send = SendSpan(topic, tenant_id, requests[0].request_id, len(requests))
             headers = send.headers()
             if self.slo is not None:
                 self.slo.published(requests)
             futures = [
                 time_publish(  # sluice_bus_publish_seconds once the broker confirms it
-                    self.bus.publish(
-                        request_topic(r.lane), encode(r), key=r.tenant_id.encode(), headers=headers
-                    ),
-                    request_topic(r.lane),
+                    self.bus.publish(topic, encode(r), key=r.tenant_id.encode(), headers=headers),
+                    topic,
                 )
                 for r in requests
             ]
@@ -223,7 +227,11 @@ class GatewayService:
         if deadline_ms is not None:
             wait_until = time.monotonic() + deadline_ms / 1000 - time.time() + self.deadline_grace_s
         generation = Generation(
-            tracks, tenant_id=requests[0].tenant_id, wait_until=wait_until, service=self
+            tracks,
+            tenant_id=requests[0].tenant_id,
+            wait_until=wait_until,
+            service=self,
+            pool=pool_id(requests[0].model),
         )
         for track in tracks:
             self._tracks[track.request_id] = (track, generation)
@@ -386,12 +394,12 @@ class GatewayService:
     def _route(self, batches: list[TokenDeltaBatch]) -> None:
         for batch in batches:
             for delta in batch.deltas:
-                self.verdict.heard(delta)
+                entry = self._tracks.get(delta.request_id)
+                self.verdict.heard(delta, None if entry is None else entry[1].pool)
                 if self.slo is not None:
                     self.slo.on_delta(delta)
                 if delta.finish_reason is not None and self._awaiting:
                     self._terminal(delta)
-                entry = self._tracks.get(delta.request_id)
                 if entry is not None:
                     self._accept(entry[0], entry[1], delta)
 

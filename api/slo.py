@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from sluice.api.errors import ServerOverloaded
 from sluice.bus.messages import GenerateRequest, Heartbeat, TokenDelta, WorkerLoad
-from sluice.bus.topics import Lane
+from sluice.bus.topics import Lane, pool_id
 from sluice.tracing.metrics import count_slo_refusal, observe_ttft_prediction_error
 
 LANES = tuple(lane.value for lane in Lane)  # most urgent first
@@ -227,3 +227,43 @@ class SloAdmission:
         for request_id, started in list(self._running.items()):
             if now - started > PENDING_TTL_S:
                 del self._running[request_id]
+
+
+class SloPools:
+    """One `SloAdmission` per model pool: a pool's workers report its load and its
+    requests wait in its own topics, so each is predicted from its own beats alone."""
+
+    def __init__(
+        self,
+        targets_s: Mapping[str, float],
+        pools: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # built up front: heartbeats arrive on another thread, so the dict never changes
+        self.pools = {pool: SloAdmission(targets_s, clock) for pool in pools}
+
+    def of(self, request: GenerateRequest) -> SloAdmission | None:
+        return self.pools.get(pool_id(request.model))
+
+    def heard(self, beat: Heartbeat) -> None:
+        admission = self.pools.get(beat.pool or "") if beat.role == "worker" else None
+        if admission is not None:
+            admission.heard(beat)
+
+    def check(self, requests: Sequence[GenerateRequest]) -> None:
+        admission = self.of(requests[0]) if requests else None
+        if admission is not None:
+            admission.check(requests)
+
+    def published(self, requests: Sequence[GenerateRequest]) -> None:
+        admission = self.of(requests[0]) if requests else None
+        if admission is not None:
+            admission.published(requests)
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        for admission in self.pools.values():
+            admission.on_delta(delta)
+
+    def forget(self, request_id: str) -> None:
+        for admission in self.pools.values():
+            admission.forget(request_id)

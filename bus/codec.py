@@ -23,14 +23,13 @@ from sluice.bus.messages import (
 from sluice.bus.topics import (
     CONTROL_TOPIC,
     HEARTBEATS_TOPIC,
-    REQUEST_TOPICS,
     TELEMETRY_TOPIC,
     TOKENS_TOPIC,
     USAGE_TOPIC,
+    parse_request_topic,
 )
 
 TOPIC_MESSAGES: dict[str, type[Message]] = {
-    **{topic: GenerateRequest for topic in REQUEST_TOPICS},
     CONTROL_TOPIC: Cancel,
     HEARTBEATS_TOPIC: Heartbeat,
     TOKENS_TOPIC: TokenDeltaBatch,
@@ -57,8 +56,11 @@ def decode_as(model: type[M], value: bytes) -> M:
 
 
 def decode(topic: str, value: bytes) -> Message:
-    """Decode with the message type registered for `topic` (reply topics carry deltas)."""
+    """Decode with the message type registered for `topic` (request topics of every pool
+    carry requests, reply topics deltas)."""
     model = TOPIC_MESSAGES.get(topic)
+    if model is None and parse_request_topic(topic) is not None:
+        model = GenerateRequest
     if model is None and topic.startswith("sluice.tokens.") and topic.endswith(".v1"):
         model = TokenDeltaBatch
     if model is None:

@@ -71,14 +71,27 @@ class SamplingSpec(BaseModel):
     structured: StructuredSpec | None = None
 
 
+class AdapterRef(BaseModel):
+    """A LoRA adapter a request runs with: its served name and the PEFT directory the
+    worker loads it from when it is not resident (every worker of the pool reads it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    path: str
+
+
 class GenerateRequest(Message):
-    """Generate tokens for a tokenized prompt. Key: tenant_id. Topic: the lane's."""
+    """Generate tokens for a tokenized prompt. Key: tenant_id. Topic: the lane's of the
+    model's pool (`request_topic(lane, pool_id(model))`)."""
 
     request_id: str
     attempt: int = 0
     tenant_id: str
     key_id: str | None = None
-    model: str
+    model: str  # the pool's base model, as served
+    # None: the base model; else the adapter's name is what the client asked for
+    adapter: AdapterRef | None = Field(default=None, exclude_if=lambda v: v is None)
     lane: Lane = Lane.STANDARD
     prompt_token_ids: list[int]
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
@@ -146,6 +159,9 @@ class Heartbeat(Message):
     # a gateway's: the requests of other gateways' streams it took over and reads on
     # their reply topics; they run on while it beats, however silent their own gateway
     follows: list[str] = Field(default_factory=list, exclude_if=lambda v: not v)
+    # a worker's: the pool it serves (`pool_id` of its model); gateways judge each pool by
+    # its own workers' beats
+    pool: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):

@@ -116,6 +116,7 @@ class RequestFlow:
         worker_id: str,
         stats: FlowStats,
         on_engine_dead: Callable[[], None],
+        pool: str | None = None,
     ) -> None:
         env = FlowEnv(
             bus, backend, progress, io, worker_id, stats, FlowMode(), FlowTasks(worker_id)
@@ -129,7 +130,7 @@ class RequestFlow:
         answers = self._answers = UnrunAnswers(env, held, output)
         self._endings = ItemEndings(env, held, admission, answers)
         cancels = CancelRegistry(config.cancel_ttl_s, config.max_cancelled)
-        gateways = GatewayLiveness(worker_id, config.heartbeat_s, config.gateway_ttl_s)
+        gateways = GatewayLiveness(worker_id, config.heartbeat_s, config.gateway_ttl_s, pool=pool)
         meter = self._load = LoadMeter()
         self._cancels = FlowCancels(
             env,

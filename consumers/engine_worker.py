@@ -107,10 +107,13 @@ class EngineWorker:
         progress: ProgressStore,
         worker_id: str,
         *,
+        pool: str,
         model_name: str | None = None,
     ) -> None:
-        """`model_name`: the served model's name on the engine gauges (`vllm:num_requests_*`,
-        `vllm:kv_cache_usage_perc`); None exposes no gauges."""
+        """`pool`: the model pool it serves (`bus.topics.pool_id` of its model): it reads
+        that pool's lanes in group `<group_id>.<pool>`. `model_name`: the served model's
+        name on the engine gauges (`vllm:num_requests_*`, `vllm:kv_cache_usage_perc`); None
+        exposes no gauges."""
         self.bus = bus
         self.backend = backend
         self.config = config
@@ -127,11 +130,13 @@ class EngineWorker:
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"sluice-progress-{worker_id}")
         self.model_name = model_name
         self._unwatch_engine: Callable[[], None] | None = None
-        lanes = [request_topic(lane) for lane in config.lanes]
-        self._lag = LagReporter(config.group_id, lanes)
+        self.pool = pool
+        self.group_id = f"{config.group_id}.{pool}"  # each pool its own group: own failover
+        lanes = [request_topic(lane, pool) for lane in config.lanes]
+        self._lag = LagReporter(self.group_id, lanes)
         self._poller = _MeteredPoller(
             bus,
-            config.group_id,
+            self.group_id,
             lanes,
             f"{config.control_group_prefix}-{worker_id}-{uuid.uuid4().hex[:8]}",
             self._on_assignment_threadsafe,
@@ -139,7 +144,15 @@ class EngineWorker:
             config.control_max_wait_ms,
         )
         self._flow = RequestFlow(
-            bus, backend, config, progress, self._io, worker_id, self.stats, self._engine_died
+            bus,
+            backend,
+            config,
+            progress,
+            self._io,
+            worker_id,
+            self.stats,
+            self._engine_died,
+            pool=pool,
         )
         self._drain_timeout_s = config.drain_timeout_s
         self._flow.mode.restarts_engine = config.restart_engine and isinstance(

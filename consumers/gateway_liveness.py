@@ -34,8 +34,10 @@ class GatewayLiveness:
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         forget_after_s: float = 3600.0,
+        pool: str | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.pool = pool  # named in this worker's own beats
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self._clock = clock
@@ -74,6 +76,7 @@ class GatewayLiveness:
             role="worker",
             interval_ms=int(self.heartbeat_s * 1000),
             load=load,
+            pool=self.pool,
         )
 
     def followed(self, request_id: str) -> bool:

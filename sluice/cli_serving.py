@@ -25,7 +25,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
@@ -40,10 +40,11 @@ from sluice.cli_common import (
     settings_or_exit,
 )
 from sluice.cli_common import DataDir as DataDir  # re-exported: `bulk` takes it from here
-from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings
+from sluice.settings import EngineWorkerSettings, GatewaySettings, Settings, SettingsError
 
 if TYPE_CHECKING:
     from sluice.storage.db import Database
+    from sluice.up import EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,16 @@ Model = Annotated[
     typer.Option(
         help="A preset (smollm2-135m-instruct, tiny-llama), a Hugging Face model directory"
         " or a .gguf file; overrides $SLUICE_MODEL.",
+        show_default="smollm2-135m-instruct",
+    ),
+]
+Models = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model",
+        help="A preset (smollm2-135m-instruct, tiny-llama), a Hugging Face model directory"
+        " or a .gguf file; overrides $SLUICE_MODEL. Repeat it to serve several models (the"
+        " first also takes --served-model-name; the others: $SLUICE_MODELS).",
         show_default="smollm2-135m-instruct",
     ),
 ]
@@ -120,6 +131,18 @@ def _model_overrides(
     }
 
 
+def _models_overrides(
+    models: list[str] | None,
+    served_model_name: str | None,
+    dtype: str | None,
+    data_dir: Path | None,
+) -> dict[str, Any]:
+    """`--model` repeated: the first is the model, the rest SLUICE_MODELS."""
+    first, *rest = models or [""]
+    overrides = _model_overrides(first or None, served_model_name, dtype, data_dir)
+    return {**overrides, "models": ",".join(rest) if rest else None}
+
+
 def _engine(backend: str | None, urls: list[str] | None) -> dict[str, Any]:
     """The backend flags as settings: `--upstream-url` alone means `--backend upstream`
     (a URL given to the torch engine would be ignored without a word)."""
@@ -161,10 +184,11 @@ def _stored_key(path: Path) -> str:
 
 
 def _announce(
-    settings: GatewaySettings, model_name: str, mode: str, tenant_db: Database | None = None
+    settings: GatewaySettings, model_names: str, mode: str, tenant_db: Database | None = None
 ) -> None:
+    """`model_names`: as the line names them ('a', 'b')."""
     url = f"http://{settings.host}:{settings.port}/v1"
-    typer.echo(f"sluice {mode}: serving {model_name!r} at {url}")
+    typer.echo(f"sluice {mode}: serving {model_names} at {url}")
     if settings.model == TINY_LLAMA:
         typer.echo(TINY_LLAMA_NOTICE)
     if tenant_db is not None:
@@ -181,18 +205,26 @@ def _announce(
 
 
 def _report_startup(
-    server: Any, app: Any, worker: Any, backend: Any, announce: Callable[[], None]
+    server: Any,
+    app: Any,
+    workers: Sequence[Any],
+    backends: Sequence[Any],
+    announce: Callable[[], None],
 ) -> None:
-    """`serve`'s start-up lines (a thread): progress on stderr while the engine loads, then
+    """`serve`'s start-up lines (a thread): progress on stderr while the engines load, then
     `announce` once a request would be answered: `/readyz`'s checks (HTTP server up, reply
-    consumer running, engine worker ready). Polled: these flags come with no event."""
+    consumer running, every engine worker ready). Polled: these flags come with no event."""
     started = time.monotonic()
     said_pid = said_down = False
     while True:
-        if not worker.health():
-            typer.echo("sluice serve: the engine worker stopped before it was ready", err=True)
+        if not all(worker.health() for worker in workers):
+            typer.echo("sluice serve: an engine worker stopped before it was ready", err=True)
             return
-        pids = getattr(backend, "pids", None) or [getattr(backend, "pid", None)]
+        pids = [
+            pid
+            for backend in backends
+            for pid in getattr(backend, "pids", None) or [getattr(backend, "pid", None)]
+        ]
         if None not in pids and not said_pid:
             listed = ",".join(map(str, pids))
             typer.echo(f"sluice serve: engine process pid={listed} started, loading", err=True)
@@ -204,7 +236,8 @@ def _report_startup(
             said_down = True
         if server.started and service.ready and probe.ready():
             took_s = time.monotonic() - started
-            typer.echo(f"sluice serve: engine ready after {took_s:.1f}s", err=True)
+            said = "engines" if len(workers) > 1 else "engine"
+            typer.echo(f"sluice serve: {said} ready after {took_s:.1f}s", err=True)
             announce()
             return
         time.sleep(0.1)
@@ -260,7 +293,7 @@ def _uvicorn(
 def serve(
     host: Host = None,
     port: Port = None,
-    model: Model = None,
+    model: Models = None,
     served_model_name: ServedName = None,
     dtype: Dtype = None,
     data_dir: DataDir = None,
@@ -268,58 +301,69 @@ def serve(
     backend: Backend = None,
     upstream_url: UpstreamUrl = None,
 ) -> None:
-    """Run everything in one process on the in-memory bus (embedded mode)."""
+    """Run everything in one process on the in-memory bus (embedded mode): an engine
+    worker per model, each with its own engine."""
     from sluice import wiring
     from sluice.bus.memory import MemoryEventBus
 
-    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    overrides = _models_overrides(model, served_model_name, dtype, data_dir)
     settings = settings_or_exit(GatewaySettings, host=host, port=port, **overrides)
     worker_settings = settings_or_exit(
         EngineWorkerSettings, **_engine(backend, upstream_url), **overrides
     )
+    each = wiring.each_model(worker_settings)
+    try:
+        wiring.check_engines_fit(each)
+    except SettingsError as exc:
+        typer.echo(f"sluice serve: {exc}", err=True)
+        raise typer.Exit(2) from exc
     sock = _listen(settings, "serve")
     secure_data_dir(settings)  # before a model download creates it with the umask's mode
     switch_metrics(settings)
     gateway = _keys(api_key, settings)
-    typer.echo(
-        f"sluice serve: loading {gateway.model_name!r}; the URL and key follow once it answers",
-        err=True,
-    )
+    names = ", ".join(repr(s.model_name) for s in each)
+    typer.echo(f"sluice serve: loading {names}; the URL and key follow once it answers", err=True)
     bus = MemoryEventBus()
     bus.create_topics(wiring.topic_layout(gateway).specs())
-    options = wiring.engine_options(worker_settings)
-    wiring.apply_process_effects(worker_settings, options)
-    engine = wiring.build_backend(worker_settings, options)
-    worker = wiring.build_worker(worker_settings, bus, engine)
-    thread = threading.Thread(target=worker.run, name="sluice-engine-worker", daemon=True)
-    thread.start()
+    engines: list[Any] = []
+    workers: list[Any] = []
+    for one in each:
+        options = wiring.engine_options(one)
+        wiring.apply_process_effects(one, options)
+        engine = wiring.build_backend(one, options)
+        worker = wiring.build_worker(one, bus, engine)
+        name = f"sluice-engine-worker-{len(workers)}"
+        threading.Thread(target=worker.run, name=name, daemon=True).start()
+        engines.append(engine)
+        workers.append(worker)
     admission = wiring.open_tenancy(gateway, embedded=True)
     # the tracing consumer runs only when spans are exported (nothing slowed otherwise)
     exported = configure_process_tracing("sluice")
     consumers = wiring.ConsumerThreads(bus, admission, tracing=exported).start()
-    # the engine's tokenizer when it loaded one (torch, sim, upstream); else read again
-    served = wiring.served_model(gateway, getattr(engine, "tokenizer", None))
+    # the engines' tokenizers when they loaded them (torch, sim, upstream); else read again
+    served = wiring.served_models(gateway, [getattr(e, "tokenizer", None) for e in engines])
     batches = wiring.in_process_batches(
         gateway,
         bus,
-        [served],
+        served,
         admission.auth.db,
         recover_on_start=True,
-        engine_ready=wiring.WorkerProbe([worker]).ready,
+        engine_ready=wiring.WorkerProbe(workers).ready,
         admission=admission,
     ).start()
     app = wiring.build_gateway_app(gateway, bus, served, admission, batches=batches)
     # the URL and key only once a request would be answered, not while the model loads
-    announce = functools.partial(_announce, gateway, gateway.model_name, "serve", admission.auth.db)
+    announce = functools.partial(_announce, gateway, names, "serve", admission.auth.db)
     watch = functools.partial(
-        _report_startup, app=app, worker=worker, backend=engine, announce=announce
+        _report_startup, app=app, workers=workers, backends=engines, announce=announce
     )
     wiring.freeze_heap()
     try:
         _uvicorn(app, gateway, sock, watch)
     finally:
         batches.stop()
-        worker.drain(worker_settings.drain_timeout_s)
+        for worker in workers:
+            worker.drain(worker_settings.drain_timeout_s)
         consumers.stop()
         admission.close()
 
@@ -327,7 +371,7 @@ def serve(
 def gateway(
     host: Host = None,
     port: Port = None,
-    model: Model = None,
+    model: Models = None,
     served_model_name: ServedName = None,
     dtype: Dtype = None,
     data_dir: DataDir = None,
@@ -336,10 +380,11 @@ def gateway(
         bool, typer.Option(hidden=True, help="Print the URL and key (`up` says them itself).")
     ] = True,
 ) -> None:
-    """Run the HTTP gateway on Kafka (distributed mode)."""
+    """Run the HTTP gateway on Kafka (distributed mode): it routes each request to the pool
+    of its model (--model repeated, or $SLUICE_MODELS)."""
     from sluice import wiring
 
-    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    overrides = _models_overrides(model, served_model_name, dtype, data_dir)
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
     _require_kafka(settings)
     sock = _listen(settings, "gateway")
@@ -351,11 +396,12 @@ def gateway(
         settings, client_id="sluice-gateway", message_timeout_s=settings.publish_timeout_s
     )
     admission = wiring.open_tenancy(settings, embedded=False)
-    served = wiring.served_model(settings)
-    batches = wiring.gateway_batches(settings, bus, [served], admission)
+    served = wiring.served_models(settings)
+    batches = wiring.gateway_batches(settings, bus, served, admission)
     app = wiring.build_gateway_app(settings, bus, served, admission, batches=batches)
     if announce:
-        _announce(settings, settings.model_name, "gateway", admission.auth.db)
+        names = ", ".join(repr(m.name) for m in served)
+        _announce(settings, names, "gateway", admission.auth.db)
     wiring.freeze_heap()
     try:
         _uvicorn(app, settings, sock)
@@ -574,12 +620,24 @@ def worker_batches_beat(data_dir: DataDir = None) -> None:
 def up(
     host: Host = None,
     port: Port = None,
-    model: Model = None,
+    model: Models = None,
     served_model_name: ServedName = None,
     dtype: Dtype = None,
     data_dir: DataDir = None,
     api_key: ApiKey = None,
-    engine_workers: Annotated[int, typer.Option(min=1, help="Engine worker processes.")] = 1,
+    engine_workers: Annotated[
+        int, typer.Option(min=1, help="Engine worker processes per model (see --pool).")
+    ] = 1,
+    pool: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pool",
+            metavar="MODEL=N",
+            help="N engine workers for this model (its served name), repeatable; 0 starts"
+            " none: its requests wait in its topics until a worker starts.",
+            show_default=False,
+        ),
+    ] = None,
     restart: Annotated[bool, typer.Option(help="Restart a child that dies.")] = True,
 ) -> None:
     """Run the distributed stack as local processes: gateway, N engine workers, billing
@@ -589,28 +647,38 @@ def up(
 
     Uses SLUICE_KAFKA_BOOTSTRAP, or starts a Tansu broker when it is unset.
     """
+    from sluice import wiring
     from sluice.up import run_up
 
-    overrides = _model_overrides(model, served_model_name, dtype, data_dir)
+    overrides = _models_overrides(model, served_model_name, dtype, data_dir)
     settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
+    each = wiring.each_model(settings)
+    pools = _pools(each, engine_workers, pool or [], dtype=dtype, data_dir=data_dir)
     model_flags = _flags(
-        model=model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
+        model=settings.model, served_model_name=served_model_name, dtype=dtype, data_dir=data_dir
     )
+    gateway_flags = [
+        *model_flags,
+        *(flag for s in each[1:] for flag in ("--model", s.model)),
+        *_flags(host=settings.host, port=settings.port),
+        "--no-announce",
+    ]
     # the keys go in the gateway's environment: a command line is readable in `ps`
-    gateway_flags = [*model_flags, *_flags(host=settings.host, port=settings.port), "--no-announce"]
     gateway_env = {"SLUICE_API_KEYS": ",".join(settings.api_keys)}
     _migrate_data_dir_store(settings)
-    mode = f"up ({engine_workers} engine worker{'s' if engine_workers != 1 else ''})"
+    counts = ", ".join(f"{p.name}: {p.workers}" for p in pools)
+    total = sum(p.workers for p in pools)
+    mode = f"up ({total} engine worker{'s' if total != 1 else ''}"
+    mode += f"; {counts})" if len(pools) > 1 else ")"
     typer.echo(f"sluice {mode}: starting; the URL and key follow once it answers", err=True)
 
     def announce() -> None:
         with _tenant_store(settings) as tenant_db:
-            _announce(settings, settings.model_name, mode, tenant_db)
+            _announce(settings, ", ".join(repr(s.model_name) for s in each), mode, tenant_db)
 
     code = run_up(
         gateway_flags,
-        model_flags,
-        engine_workers,
+        pools,
         settings.kafka_bootstrap,
         restart,
         _side_workers(settings, model_flags, _flags(data_dir=data_dir)),
@@ -622,6 +690,38 @@ def up(
         on_ready=announce,
     )
     raise typer.Exit(code)
+
+
+def _pools(
+    each: Sequence[Settings],
+    engine_workers: int,
+    sizes: Sequence[str],
+    *,
+    dtype: str | None,
+    data_dir: Path | None,
+) -> list[EnginePool]:
+    """The engine pools of `up`: one per model, `engine_workers` each unless `--pool
+    MODEL=N` says otherwise."""
+    from sluice.up import EnginePool
+
+    names = [s.model_name for s in each]
+    counts = dict.fromkeys(names, engine_workers)
+    for item in sizes:
+        name, sep, count = item.rpartition("=")
+        if not sep or name not in counts or not count.isdigit():
+            typer.echo(
+                f"sluice up: --pool {item!r}: write MODEL=N, MODEL one of {', '.join(names)}",
+                err=True,
+            )
+            raise typer.Exit(2)
+        counts[name] = int(count)
+    pools = []
+    for s in each:
+        args = _flags(model=s.model, served_model_name=s.served_model_name, dtype=dtype)
+        pools.append(
+            EnginePool(s.model_name, [*args, *_flags(data_dir=data_dir)], counts[s.model_name])
+        )
+    return pools
 
 
 def _migrate_data_dir_store(settings: Settings) -> None:

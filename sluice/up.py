@@ -51,6 +51,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     stage: int = CONSUMERS
     stop_timeout_s: float = 20.0
+    pool: str | None = None  # an engine worker's model pool
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -174,14 +175,15 @@ def assign_metrics_ports(children: Sequence[Child], gateway_address: str, target
 
 
 def readiness_urls(children: Sequence[Child], gateway_address: str) -> list[list[str]]:
-    """What `up` polls before it says it serves: the gateway's /readyz, and any one engine
-    worker's /readyz on its metrics port (which `assign_metrics_ports` gave it)."""
-    engines = [
-        f"http://127.0.0.1:{child.env['SLUICE_METRICS_PORT']}/readyz"
-        for child in children
-        if child.stage == ENGINE and "SLUICE_METRICS_PORT" in child.env
-    ]
-    return [[f"http://{gateway_address}/readyz"], *([engines] if engines else [])]
+    """What `up` polls before it says it serves: the gateway's /readyz, and for each pool
+    with workers any one engine worker's /readyz on its metrics port (which
+    `assign_metrics_ports` gave it)."""
+    pools: dict[str | None, list[str]] = {}
+    for child in children:
+        if child.stage == ENGINE and "SLUICE_METRICS_PORT" in child.env:
+            url = f"http://127.0.0.1:{child.env['SLUICE_METRICS_PORT']}/readyz"
+            pools.setdefault(child.pool, []).append(url)
+    return [[f"http://{gateway_address}/readyz"], *pools.values()]
 
 
 def _answers(url: str) -> bool:
@@ -233,10 +235,19 @@ def engine_worker_env(engine_workers: int, env: Mapping[str, str]) -> dict[str, 
     return {"SLUICE_ENGINE_REPLICAS": "1"}
 
 
+@dataclass(frozen=True, slots=True)
+class EnginePool:
+    """The engine workers of one model: `args` to `sluice worker engine`, and how many
+    (0: none start; its requests wait in its topics for a worker started elsewhere)."""
+
+    name: str
+    args: Sequence[str]
+    workers: int
+
+
 def run_up(
     gateway_args: Sequence[str],
-    worker_args: Sequence[str],
-    engine_workers: int,
+    pools: Sequence[EnginePool],
     kafka_bootstrap: str | None,
     restart: bool = True,
     extra: Sequence[tuple[str, Sequence[str]]] = (),
@@ -249,6 +260,8 @@ def run_up(
 ) -> int:
     """Run the stack until Ctrl-C/SIGTERM; returns the exit code.
 
+    `pools`: the engine workers per model; with one pool they are named
+    `engine-worker-<i>`, with several `engine-worker-<pool>-<i>`.
     `extra`: more children as (name, `sluice` arguments), e.g. ("billing", ["worker",
     "billing"]). `gateway_env`: the gateway's own variables (its keys: SLUICE_API_KEYS).
     `tansu_bin`: the broker's binary when one is started (None: `tansu_binary()`'s default).
@@ -274,15 +287,18 @@ def run_up(
     children = [
         Child("gateway", sluice_argv("gateway", *gateway_args), dict(gateway_env or {}), GATEWAY)
     ]
+    engine_workers = sum(pool.workers for pool in pools)
     children += [
         Child(
-            f"engine-worker-{i}",
-            sluice_argv("worker", "engine", *worker_args),
+            f"engine-worker-{i}" if len(pools) == 1 else f"engine-worker-{pool.name}-{i}",
+            sluice_argv("worker", "engine", *pool.args),
             engine_worker_env(engine_workers, env),
             stage=ENGINE,
             stop_timeout_s=engine_drain_timeout_s + ENGINE_STOP_AFTER_DRAIN_S,
+            pool=pool.name,
         )
-        for i in range(engine_workers)
+        for pool in pools
+        for i in range(pool.workers)
     ]
     children += [Child(name, sluice_argv(*args)) for name, args in extra]
     if metrics_targets is not None and gateway_address is not None:

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice.api.app import create_app, request_limits
 from sluice.api.routes.batches import BatchLimits
@@ -26,7 +26,7 @@ from sluice.billing.batch_budget import BatchBudget
 from sluice.bus.base import EventBus, TopicPartition, TopicSpec
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 from sluice.bus.memory import MemoryEventBus
-from sluice.bus.topics import USAGE_TOPIC, TopicLayout, reply_topic
+from sluice.bus.topics import USAGE_TOPIC, TopicLayout, pool_id, reply_topic
 from sluice.consumers.batches.collector import BatchCollector
 from sluice.consumers.batches.lines import BATCH_REPLY_TARGET
 from sluice.consumers.batches.runner import BatchConfig, BatchRunner
@@ -78,8 +78,23 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+S = TypeVar("S", bound=ModelSettings)
+
+
+def each_model(settings: S) -> list[S]:
+    """The settings of each model the deployment serves: --model's, then one copy per
+    SLUICE_MODELS entry naming that model (served under its own name)."""
+    extra = [
+        settings.model_copy(update={"model": m, "served_model_name": None, "models": []})
+        for m in settings.models
+    ]
+    return [settings, *extra]
+
+
 def topic_layout(settings: Settings) -> TopicLayout:
-    return TopicLayout(**config_kwargs(settings, TopicLayout))
+    """The topics, with the request lanes of every served model's pool."""
+    pools = tuple(pool_id(s.model_name) for s in each_model(settings))
+    return TopicLayout(**config_kwargs(settings, TopicLayout), pools=pools)
 
 
 def make_bus(
@@ -176,6 +191,14 @@ def served_model(settings: Settings, tokenizer: Any | None = None) -> ServedMode
     )
 
 
+def served_models(settings: Settings, tokenizers: Sequence[Any | None] = ()) -> list[ServedModel]:
+    """Every model the gateway serves (`each_model`), each with its tokenizer; `tokenizers`:
+    those already loaded, by position (None: load it)."""
+    models = each_model(settings)
+    loaded = [*tokenizers, *[None] * (len(models) - len(tokenizers))]
+    return [served_model(s, t) for s, t in zip(models, loaded, strict=True)]
+
+
 def resolve_torch_threads(settings: ModelSettings, device: str) -> int | None:
     """SLUICE_TORCH_THREADS; unset: on CPU every core this process may use but one.
 
@@ -228,18 +251,57 @@ def resolve_engine_replicas(settings: ModelSettings, device: str) -> int:
 
 
 def _copies_fit(model: Path, copies: int) -> bool:
-    """`copies` of the checkpoint in directory `model`, each perhaps widened to fp32 (x2),
-    within a quarter of the host's memory; a GGUF's weights de-quantize to fp32 (up to x8
-    of a 4-bit file); a preset's (a name, not a path) is small."""
-    if model.is_file() and model.suffix == ".gguf":
-        weights = model.stat().st_size * 4  # x2 below: 4 bits -> 32
-    elif model.is_dir():
-        files = [f for f in model.iterdir() if f.suffix in WEIGHT_SUFFIXES]
-        weights = sum(f.stat().st_size * (4 if f.suffix == ".gguf" else 1) for f in files)
-    else:
-        return True
+    """`copies` of the checkpoint at `model` within a quarter of the host's memory; a
+    preset's (a name, not a path) is small."""
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return copies * weights * 2 <= memory / 4
+    return copies * _weights_in_memory(model) <= memory / 4
+
+
+def _weights_in_memory(model: Path) -> int:
+    """Bytes the checkpoint at `model` may take loaded: its files, perhaps widened to fp32
+    (x2); a GGUF's weights de-quantize to fp32 (up to x8 of a 4-bit file); 0 for what is
+    not a path."""
+    if model.is_file() and model.suffix == ".gguf":
+        return model.stat().st_size * 8
+    if model.is_dir():
+        files = [f for f in model.iterdir() if f.suffix in WEIGHT_SUFFIXES]
+        return sum(f.stat().st_size * (8 if f.suffix == ".gguf" else 2) for f in files)
+    return 0
+
+
+def check_engines_fit(models: Sequence[Settings]) -> None:
+    """Refuse at start, with the figures, engines for `models` (each replica a copy of its
+    weights and its KV cache) that would not fit in the memory this host has available."""
+    if len(models) < 2:
+        return  # one model: its load says so itself, as it always did
+    need: list[tuple[str, int]] = []
+    for settings in models:
+        if settings.backend != "torch":
+            continue
+        replicas = resolve_engine_replicas(settings, resolve_device(settings))
+        weights = _weights_in_memory(model_dir(settings))
+        need.append((settings.model_name, replicas * (weights + int(settings.kv_cache_mb * 2**20))))
+    total = sum(n for _, n in need)
+    available = _available_memory()
+    if available is not None and total > available:
+        each = ", ".join(f"{name} {n / 2**30:.1f} GiB" for name, n in need)
+        raise SettingsError(
+            f"the engines of {len(need)} models need about {total / 2**30:.1f} GiB ({each});"
+            f" this host has {available / 2**30:.1f} GiB available: serve fewer or smaller"
+            " models, or run them as engine workers on other hosts (`sluice up`)"
+        )
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _usable_cores() -> int:
@@ -444,6 +506,7 @@ def build_worker(settings: EngineWorkerSettings, bus: EventBus, backend: Any) ->
         settings.worker_config(),
         progress_store(settings),
         worker_id(settings),
+        pool=pool_id(settings.model_name),
         model_name=settings.model_name,  # the engine gauges' label
     )
     _workers_on_bus.setdefault(bus, []).append(worker)
@@ -477,14 +540,14 @@ class WorkerProbe:
 def build_gateway_app(
     settings: GatewaySettings,
     bus: EventBus,
-    model: ServedModel,
+    models: Sequence[ServedModel],
     admission: AdmissionService | None = None,
     workers: Sequence[EngineWorker] | None = None,
     batches: Any | None = None,
 ) -> Any:
     """The gateway's app; its probes include `workers` (default: those `build_worker`
     built on `bus` in this process, i.e. embedded mode's; none in distributed mode)."""
-    app = create_app(settings, bus, [model], admission=admission, batches=batches)
+    app = create_app(settings, bus, models, admission=admission, batches=batches)
     app.state.metrics_peers = settings.metrics_peers  # the dashboard scrapes them too
     if workers is None:
         workers = _workers_on_bus.get(bus, [])
@@ -700,7 +763,7 @@ def batch_worker(settings: GatewaySettings, bus: EventBus) -> BatchWorker:
     db = Database.connect(settings.database_url)
     # budgets need the gateways' quota store: Redis (without it each gateway keeps its own)
     admission = open_tenancy(settings, embedded=False) if settings.redis_url else None
-    runner = batch_runner(settings, bus, [served_model(settings)], db, admission)
+    runner = batch_runner(settings, bus, served_models(settings), db, admission)
     app = celery_app(settings)
     bind_runner(app, runner)
     control = CeleryBatches(app, runner.store, batch_limits(settings))

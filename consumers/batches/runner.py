@@ -32,7 +32,7 @@ from sluice.billing.batch_budget import BatchBudget
 from sluice.bus.base import Delivered, EventBus
 from sluice.bus.codec import encode
 from sluice.bus.messages import Cancel, GenerateRequest
-from sluice.bus.topics import CONTROL_TOPIC, Lane, request_topic
+from sluice.bus.topics import CONTROL_TOPIC, Lane, pool_id, request_topic
 from sluice.consumers.batches.lines import (
     BATCH_REPLY_TARGET,
     PreparedLine,
@@ -341,7 +341,7 @@ class BatchRunner:
     ) -> list[Future[Delivered]]:
         """A line's records on the batch lane; its trace starts at its send span
         (nothing when tracing is off)."""
-        topic = request_topic(Lane.BATCH)
+        topic = request_topic(Lane.BATCH, pool_id(requests[0].model))
         send = SendSpan(topic, batch.tenant_id, requests[0].request_id, len(requests), batch.id)
         headers = send.headers()
         sent = [

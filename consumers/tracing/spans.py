@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from sluice.bus.messages import TelemetryRecord
-from sluice.bus.topics import request_topic
+from sluice.bus.topics import pool_id, request_topic
 from sluice.tracing import spans as names
 from sluice.tracing.propagation import Headers, extract_context
 
@@ -52,7 +52,7 @@ def emit_attempt_spans(
     tracer = tracer or names.tracer()
     parent = extract_context(headers)
     t = record.timings
-    topic = request_topic(record.lane)
+    topic = request_topic(record.lane, pool_id(record.model))
     # no consumer group attribute: the record does not say which group (it is configurable)
     attrs = names.kafka_attributes("process", topic, key=record.tenant_id)
     attrs.update(_sluice_attributes(record))
