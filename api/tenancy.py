@@ -102,7 +102,7 @@ class TenantAuthenticator:
             raise ServiceUnavailable(
                 "the API key store is unavailable; retry shortly", code="auth_unavailable"
             ) from exc
-        return Principal(found.tenant_id, found.key_id, found.limits)
+        return Principal(found.tenant_id, found.key_id, found.limits, found.allowed_models)
 
     async def _store_empty(self) -> bool:
         now = time.monotonic()

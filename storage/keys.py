@@ -52,13 +52,15 @@ def generate_key() -> tuple[str, str]:
 class Principal:
     """The caller, as admission and every route see it; tenant_id is also the cache salt.
 
-    From the tenant store it carries the key and the tenant's plan `limits`; a static
-    gateway key (`api.auth.StaticKeyAuthenticator`) has no plan: limits None, no admission
-    limits apply."""
+    From the tenant store it carries the key, the tenant's plan `limits` and the served
+    names it may use (`allowed_models`, None: every one; the catalog answers any other
+    as not existing); a static gateway key (`api.auth.StaticKeyAuthenticator`) has no
+    plan: limits None, no admission limits apply, every model."""
 
     tenant_id: str
     key_id: str | None = None
     limits: PlanLimits | None = None
+    allowed_models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +190,7 @@ class KeyAuthenticator:
         prefix = match.group(1) if match else "-"
         with self.db.session() as session:
             row = session.execute(
-                sa.select(ApiKey, Plan)
+                sa.select(ApiKey, Plan, Tenant.allowed_models)
                 .join(Tenant, ApiKey.tenant_id == Tenant.id)
                 .join(Plan, Tenant.plan_id == Plan.id)
                 .where(ApiKey.prefix == prefix)
@@ -197,12 +199,13 @@ class KeyAuthenticator:
             same = hmac.compare_digest(digest.encode(), stored.encode())
             if row is None or not match or not same or row[0].revoked_at is not None:
                 raise AuthenticationFailed()
-            key, plan = row
+            key, plan, allowed = row
             now = utcnow()
             last = key.last_used_at
             if last is None or now - _aware(last) > LAST_USED_RESOLUTION:
                 key.last_used_at = now
-            return Principal(key.tenant_id, key.id, PlanLimits.of(plan))
+            models = None if allowed is None else frozenset(allowed)
+            return Principal(key.tenant_id, key.id, PlanLimits.of(plan), models)
 
 
 def _aware(value: dt.datetime) -> dt.datetime:

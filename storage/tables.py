@@ -1,5 +1,5 @@
-"""The SQL tables: tenants, plans, keys, prices, the usage ledger, files, batches and lines,
-stored responses and their events.
+"""The SQL tables: tenants, plans, keys, LoRA adapters, prices, the usage ledger, files,
+batches and lines, stored responses and their events.
 
 Money is integers, never floats: budgets and prices in micro-dollars (1e-6 USD; prices
 per million tokens), ledger costs in pico-dollars (1e-12 USD) so that
@@ -54,6 +54,21 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
     name: Mapped[str] = mapped_column(sa.String(200), unique=True)
     plan_id: Mapped[str] = mapped_column(sa.ForeignKey("plans.id"))
+    created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime(timezone=True), default=utcnow)
+    # the served names (models, aliases, adapters) its keys may use; NULL: every one
+    allowed_models: Mapped[builtins.list[str] | None] = mapped_column(sa.JSON(none_as_null=True))
+
+
+class LoraAdapter(Base):
+    """A LoRA adapter loaded at run time (`/v1/load_lora_adapter`): served under `name`
+    on the pool of `base_model`; owner NULL: public, else private to that tenant."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    base_model: Mapped[str] = mapped_column(sa.String(200))
+    path: Mapped[str] = mapped_column(sa.Text)
+    owner_tenant_id: Mapped[str | None] = mapped_column(sa.ForeignKey("tenants.id"))
     created_at: Mapped[dt.datetime] = mapped_column(sa.DateTime(timezone=True), default=utcnow)
 
 

@@ -1,10 +1,12 @@
-"""Tenants and their plan limits (repository); the gateway reads `PlanLimits` through auth."""
+"""Tenants, their plan limits and allowed models (repository); the gateway reads both
+through auth (`storage.keys.Principal`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import secrets
 import unicodedata
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -19,6 +21,7 @@ MICROS_PER_USD = 1_000_000
 # What the database columns hold: Integer limits, BigInteger micro-dollars.
 MAX_LIMIT = 2**31 - 1
 MAX_USD = Decimal(2**63 - 1) / MICROS_PER_USD
+MAX_ALLOWED_MODELS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,27 @@ class TenantInfo:
     name: str
     limits: PlanLimits
     created_at: dt.datetime
+    # the served names (models, aliases, adapters) its keys may use; None: every one
+    allowed_models: tuple[str, ...] | None = None
+
+
+def check_models(models: Iterable[str] | None) -> tuple[str, ...] | None:
+    """Allowed-model names as stored: each a valid name, in order, without repeats; None
+    stays None (every model). Names are not checked against what is served: the store
+    does not know it, and a name served later (an adapter loaded tomorrow) may be meant."""
+    if models is None:
+        return None
+    if isinstance(models, str):
+        raise InvalidInput("allowed models must be a list of model names, not one string")
+    names = tuple(dict.fromkeys(check_text(m, "model name") for m in models))
+    if len(names) > MAX_ALLOWED_MODELS:
+        raise InvalidInput(f"at most {MAX_ALLOWED_MODELS} allowed models, got {len(names)}")
+    return names
+
+
+def _info(tenant: Tenant, plan: Plan) -> TenantInfo:
+    allowed = None if tenant.allowed_models is None else tuple(tenant.allowed_models)
+    return TenantInfo(tenant.id, tenant.name, PlanLimits.of(plan), tenant.created_at, allowed)
 
 
 def usd_to_micros(usd: Decimal | str, max_usd: Decimal = MAX_USD) -> int:
@@ -99,8 +123,11 @@ class TenantRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, name: str, limits: PlanLimits) -> TenantInfo:
+    def create(
+        self, name: str, limits: PlanLimits, allowed_models: Iterable[str] | None = None
+    ) -> TenantInfo:
         name = check_text(name, "tenant name")
+        allowed = check_models(allowed_models)
         with self.db.session() as session:
             if session.scalar(sa.select(Tenant.id).where(Tenant.name == name)) is not None:
                 raise Conflict(f"tenant {name!r} already exists")
@@ -112,12 +139,31 @@ class TenantRepository:
                 max_concurrency=limits.max_concurrency,
                 monthly_budget_micros=limits.monthly_budget_micros,
             )
-            tenant = Tenant(id=new_id("ten"), name=name, plan_id=plan.id)
+            tenant = Tenant(
+                id=new_id("ten"),
+                name=name,
+                plan_id=plan.id,
+                allowed_models=None if allowed is None else list(allowed),
+            )
             session.add(plan)
             session.flush()
             session.add(tenant)
             session.flush()
-            return TenantInfo(tenant.id, tenant.name, limits, tenant.created_at)
+            return _info(tenant, plan)
+
+    def set_allowed_models(self, name_or_id: str, models: Iterable[str] | None) -> TenantInfo:
+        """Replace the tenant's allowed models (None: every model). Gateways apply it as
+        their auth cache lets the tenant's keys go (`KeyAuthenticator.cache_ttl_s`)."""
+        allowed = check_models(models)
+        with self.db.session() as session:
+            tenant_id = self.resolve(session, name_or_id).tenant_id
+            tenant = session.get(Tenant, tenant_id)
+            assert tenant is not None  # resolved in this session
+            tenant.allowed_models = None if allowed is None else list(allowed)
+            session.flush()
+            plan = session.get(Plan, tenant.plan_id)
+            assert plan is not None  # a foreign key
+            return _info(tenant, plan)
 
     def exists(self) -> bool:
         """Whether any tenant exists."""
@@ -129,7 +175,7 @@ class TenantRepository:
             rows = session.execute(
                 sa.select(Tenant, Plan).join(Plan, Tenant.plan_id == Plan.id).order_by(Tenant.name)
             ).all()
-            return [TenantInfo(t.id, t.name, PlanLimits.of(p), t.created_at) for t, p in rows]
+            return [_info(t, p) for t, p in rows]
 
     def get(self, name_or_id: str) -> TenantInfo:
         with self.db.session() as session:
@@ -147,4 +193,4 @@ class TenantRepository:
         if row is None:
             raise NotFound(f"no tenant named or with id {name_or_id!r}")
         tenant, plan = row
-        return TenantInfo(tenant.id, tenant.name, PlanLimits.of(plan), tenant.created_at)
+        return _info(tenant, plan)

@@ -13,7 +13,7 @@ from tests.integration.storage.stores import DATABASE_URL, pg_schema
 from tests.services import service_missing
 
 TABLES = {"plans", "tenants", "api_keys", "model_prices", "usage_ledger", "files", "batches"}
-TABLES |= {"batch_lines", "responses", "response_events"}
+TABLES |= {"batch_lines", "responses", "response_events", "lora_adapters"}
 
 
 def tables(engine: sa.Engine) -> set[str]:
@@ -35,6 +35,7 @@ def round_trip(engine: sa.Engine) -> None:
     assert {"request_id", "attempt", "cost_picos", "cached_tokens", "usage_day"} <= columns
     pk = sa.inspect(engine).get_pk_constraint("usage_ledger")
     assert pk["constrained_columns"] == ["request_id", "attempt"]
+    assert "allowed_models" in {c["name"] for c in sa.inspect(engine).get_columns("tenants")}
 
 
 def test_migrations_round_trip_on_a_fresh_postgresql_schema() -> None:
