@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from sluice.consumers.work_item import WorkItem
-from sluice.engine.backends.base import EngineRequest
+from sluice.engine.backends.base import EngineRequest, LoRARequest
 from sluice.engine.sampling import Constraint, SamplingParams
 
 LANE_PRIORITY = {"interactive": 0, "standard": 1, "batch": 2}  # lower runs first
@@ -62,4 +62,7 @@ def engine_request(item: WorkItem) -> EngineRequest:
         deadline=item.deadline,
         cache_salt=request.cache_salt,
         num_resumed_tokens=resumed,
+        lora_request=None
+        if request.adapter is None
+        else LoRARequest(request.adapter.name, request.adapter.path),
     )

@@ -39,6 +39,9 @@ class EngineConfig:
     urgent requests stay short: an interactive request's TTFT is about two steps. -1 = no
     cap. 8 and a 0.5 s hold keep interactive TTFT low at little cost to the others'
     throughput (`sluice bench serving` measures both).
+    max_loras: LoRA adapters resident at once (their weights stacked per projection, so
+    one step mixes them); a request whose adapter finds every slot held by running
+    requests waits. 0 = no adapters. max_lora_rank: the largest adapter rank accepted.
     seed: the generator shared by requests without a `seed` of their own. None (the
     default) draws it from the OS once per engine, so no two engines (or restarts) sample
     alike; an int makes those draws reproducible (tests). A request's seed is its own.
@@ -58,6 +61,8 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     priority_background_tokens: int = 8
     priority_hold_s: float = 0.5
+    max_loras: int = 4
+    max_lora_rank: int = 64
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -105,6 +110,10 @@ class EngineConfig:
             )
         if self.priority_hold_s < 0:
             fail(f"priority_hold_s must be >= 0, got {self.priority_hold_s}")
+        if self.max_loras < 0:
+            fail(f"max_loras must be >= 0 (0 = no LoRA adapters), got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            fail(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.scheduling_policy not in _POLICIES:
             fail(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
 

@@ -143,6 +143,13 @@ class EngineCore:
             self.runner, "computes_prompt_logprobs", False
         ):
             raise RequestRejectedError("this engine has no prompt_logprobs")
+        lora = engine_request.lora_request
+        if lora is not None and not (
+            getattr(self.runner, "serves_lora", False) and self.config.max_loras > 0
+        ):
+            raise RequestRejectedError(
+                f"adapter {lora.name!r}: this engine serves no LoRA adapters (max_loras=0)"
+            )
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=list(engine_request.prompt_token_ids),
@@ -154,6 +161,7 @@ class EngineCore:
             num_resumed_tokens=min(
                 engine_request.num_resumed_tokens, len(engine_request.prompt_token_ids)
             ),
+            lora_request=lora,
         )
         detokenizer = self.detokenizers(request) if self.detokenizers is not None else None
         self.scheduler.add_request(request)

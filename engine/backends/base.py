@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from sluice.engine.errors import EngineDeadError, EngineError, RequestRejectedError
+from sluice.engine.lora import LoRARequest
 from sluice.engine.sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "EngineRequest",
     "EngineStats",
     "FinishReason",
+    "LoRARequest",
     "RequestRejectedError",
     "RestartableBackend",
     "check_request",
@@ -55,7 +57,8 @@ class EngineRequest:
     prefix-cache hits within the tenant. num_resumed_tokens: the last this-many prompt
     tokens are output of an earlier attempt (a failover resume), so the text continues
     exactly where that attempt's stopped, a multi-byte character split across the
-    boundary included.
+    boundary included. lora_request: the LoRA adapter to run with (None: the base model);
+    it crosses the engine-process pipe with the request.
     """
 
     request_id: str
@@ -65,6 +68,7 @@ class EngineRequest:
     deadline: float | None = None
     cache_salt: str | None = None
     num_resumed_tokens: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

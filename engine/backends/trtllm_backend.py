@@ -283,6 +283,12 @@ class TrtllmEngineBackend(PerRequestBackend[_Live]):
     def _check_supported(self, request: EngineRequest) -> None:
         """What TensorRT-LLM's public SamplingParams cannot express: refused up front."""
         params = request.sampling_params
+        if request.lora_request is not None:
+            # TensorRT-LLM takes adapters only into an LLM built with a LoRA config, which
+            # this backend does not build: refused rather than run on the base weights
+            raise RequestRejectedError(
+                f"adapter {request.lora_request.name!r}: the trtllm backend serves no LoRA adapters"
+            )
         if params.logit_bias:
             raise RequestRejectedError("the trtllm backend has no logit_bias")
         if params.prompt_logprobs is not None:

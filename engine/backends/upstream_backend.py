@@ -110,7 +110,9 @@ def completion_body(
     not ids; prompt_logprobs are refused at `submit`) and priority (vLLM refuses
     priorities unless its scheduler runs the priority policy). The 'trtllm' dialect sends
     `detokenize: false` instead of return_token_ids, and neither stop strings (matched
-    here, on text decoded here) nor cache_salt (not in its schema).
+    here, on text decoded here) nor cache_salt (not in its schema). A request with a LoRA
+    adapter names the adapter as its model: vLLM (`--lora-modules NAME=PATH`) and
+    `sluice serve` serve an adapter by its name.
     """
     params = request.sampling_params
     body: dict[str, Any] = {
@@ -125,7 +127,9 @@ def completion_body(
         body["detokenize"] = False
     else:
         body["return_token_ids"] = True
-    if model is not None:
+    if request.lora_request is not None:
+        body["model"] = request.lora_request.name
+    elif model is not None:
         body["model"] = model
     if params.top_k > 0:
         body["top_k"] = params.top_k
@@ -353,6 +357,11 @@ class UpstreamEngineBackend(PerRequestBackend[_Live]):
         if request.sampling_params.prompt_logprobs is not None:
             # the stream's logprobs are strings, not ids: refused rather than dropped
             raise RequestRejectedError("the upstream backend has no prompt_logprobs")
+        if request.lora_request is not None and self.dialect == "trtllm":
+            raise RequestRejectedError(
+                f"adapter {request.lora_request.name!r}: the trtllm upstream serves no "
+                f"LoRA adapters by name"
+            )
         constraint = request.sampling_params.constraint
         if constraint is not None:
             structured_body(constraint, self.dialect)  # refused now, not on the loop

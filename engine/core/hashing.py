@@ -4,8 +4,9 @@ Used by the scheduler when a request arrives (prompt blocks) and as output token
 more blocks; the block pool indexes cached blocks by these hashes. No torch.
 
 hash(block i) = H(hash(block i-1), tokens of block i), and block 0's parent is a random
-per-process root (`NONE_HASH`-style) mixed with the tenant's cache salt, so equal prefixes
-of two tenants never share blocks and hashes cannot be probed from outside the process.
+per-process root (`NONE_HASH`-style) mixed with the tenant's cache salt and the request's
+LoRA adapter, so equal prefixes of two tenants, or of two adapters (or an adapter and the
+base model), never share blocks, and hashes cannot be probed from outside the process.
 H is keyed BLAKE2b with a 128-bit digest: cheap (about a microsecond per block) and
 collision-resistant, so a hit is trusted without comparing token ids.
 """
@@ -18,6 +19,7 @@ from array import array
 from collections.abc import Sequence
 
 from sluice.engine.core.request import Request
+from sluice.engine.lora import LoRARequest
 
 _DIGEST_SIZE = 16
 
@@ -43,11 +45,18 @@ class BlockHasher:
         h.update(payload)
         return int.from_bytes(h.digest(), "little")
 
-    def first_parent(self, cache_salt: str | None) -> int:
-        """The parent hash of block 0: the root, salted per tenant when a salt is given."""
-        if not cache_salt:
-            return self._root
-        return self._digest(self._root.to_bytes(_DIGEST_SIZE, "little"), cache_salt.encode())
+    def first_parent(self, cache_salt: str | None, lora: LoRARequest | None = None) -> int:
+        """The parent hash of block 0: the root, salted per tenant when a salt is given,
+        then per LoRA adapter (its name and path: new weights under a name are another
+        adapter) when the request has one."""
+        parent = self._root
+        if cache_salt:
+            parent = self._digest(parent.to_bytes(_DIGEST_SIZE, "little"), cache_salt.encode())
+        if lora is not None:
+            # a prefix no salt can take: a tenant named like an adapter stays apart
+            payload = b"\0lora\0" + lora.name.encode() + b"\0" + lora.path.encode()
+            parent = self._digest(parent.to_bytes(_DIGEST_SIZE, "little"), payload)
+        return parent
 
     def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
         payload = array("q", token_ids).tobytes()
@@ -65,7 +74,9 @@ class BlockHasher:
         start = len(hashes)
         if start >= num_full:
             return
-        parent = hashes[-1] if hashes else self.first_parent(request.cache_salt)
+        parent = (
+            hashes[-1] if hashes else self.first_parent(request.cache_salt, request.lora_request)
+        )
         for i in range(start, num_full):
             parent = self.hash_block(
                 parent, request.token_ids_slice(i * block_size, (i + 1) * block_size)

@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from sluice.engine.lora import LoRARequest
 from sluice.engine.sampling import SamplingParams
 
 
@@ -50,6 +51,8 @@ class Request:
     cache_salt: mixed into the first block's hash so prefix-cache hits stay within a tenant.
     num_resumed_tokens: the last this-many prompt tokens are output an earlier attempt
     already generated (a failover resume); the detokenizer replays them.
+    lora_request: the LoRA adapter it runs with (None: the base model); also mixed into
+    the first block's hash. lora_slot: the adapter slot it holds while RUNNING.
     """
 
     request_id: str
@@ -61,6 +64,7 @@ class Request:
     deadline: float | None = None
     cache_salt: str | None = None
     num_resumed_tokens: int = 0
+    lora_request: LoRARequest | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -68,6 +72,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    lora_slot: int | None = None  # set by the scheduler while it holds the adapter's slot
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,9 @@ Per step:
    (recompute) the lowest-priority, latest request and retry.
 3. Waiting requests in policy order (only if nothing was preempted): prefix-cache lookup,
    allocate, admit; stop at the first that does not fit. Under the priority policy a
-   waiting request may preempt a running one that ranks strictly below it.
+   waiting request may preempt a running one that ranks strictly below it. A request
+   whose LoRA adapter gets no slot (every one held by running requests of other
+   adapters, `engine.core.lora_slots`) is passed over and waits; those behind it go on.
    Priority policy, steps 2-3: while requests of the best priority present share the
    engine with worse ones (and `priority_hold_s` after), the worse ones get at most
    `priority_background_tokens` tokens per step, oldest running first (they keep their
@@ -36,6 +38,7 @@ import time
 from sluice.engine.config import EngineConfig
 from sluice.engine.core.hashing import BlockHasher
 from sluice.engine.core.kv_cache_manager import KVCacheManager
+from sluice.engine.core.lora_slots import LoRASlots
 from sluice.engine.core.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from sluice.engine.core.request import Request, RequestStatus
 from sluice.engine.core.request_queue import make_request_queue
@@ -66,6 +69,7 @@ class Scheduler:
         )
         self.hasher = BlockHasher(config.block_size, hash_seed)
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.lora_slots = LoRASlots(config.max_loras)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = make_request_queue(config.scheduling_policy)
@@ -141,6 +145,7 @@ class Scheduler:
         return expired
 
     def _free_request(self, request: Request) -> None:
+        self._release_lora(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
@@ -263,12 +268,27 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, cap: _Cap) -> int:
+        # requests whose adapter got no slot: back in front of the queue, in their order
+        passed_over: list[Request] = []
+        try:
+            return self._admit_waiting(output, budget, cap, passed_over)
+        finally:
+            for request in reversed(passed_over):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(
+        self, output: SchedulerOutput, budget: int, cap: _Cap, passed_over: list[Request]
+    ) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
         while len(waiting) and budget > 0:
             request = waiting.peek()
             if cap.limit(request, budget) <= 0:
                 break  # capped; the queue is in priority order, so are those behind
+            lora = request.lora_request
+            if lora is not None and not self.lora_slots.can_acquire(lora):
+                passed_over.append(waiting.pop())
+                continue
             if len(self.running) >= self.max_num_seqs:
                 refund = self._make_room_for(request, output)
                 if refund < 0:
@@ -293,6 +313,9 @@ class Scheduler:
             if request.is_finished:
                 continue
             waiting.pop()
+            if lora is not None:
+                request.lora_slot = self.lora_slots.acquire(lora)
+                assert request.lora_slot is not None  # room was checked, and only grew
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -339,6 +362,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
+        self._release_lora(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -346,6 +370,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
         logger.debug("preempted request_id=%s", request.request_id)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot is not None:
+            assert request.lora_request is not None
+            self.lora_slots.release(request.lora_request)
+            request.lora_slot = None
 
     # -- after the step ------------------------------------------------------------------
     def update_from_output(

@@ -153,6 +153,7 @@ class DecoderLayer(nn.Module):
         )
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
+        self.layer_idx = layer_idx
         windows = cfg.layer_sliding_windows
         self.sliding_window = windows[layer_idx] if layer_idx < len(windows) else None
         self.input_layernorm = nn.Parameter(torch.ones(h), requires_grad=False)
@@ -180,17 +181,28 @@ class DecoderLayer(nn.Module):
         # inputs are cast to the compute dtype
         x = rms_norm(h, self.input_layernorm, self.eps, self.compute_dtype)
         qkv = self.qkv_proj.forward(x)
+        lora = meta.lora
+        if lora is not None:
+            lora.add(self.layer_idx, "qkv_proj", x, qkv)
         # RoPE on q|k in fp32 (one complex multiply), written back into qkv with the cast
         qk = qkv[:, :qk_size]
         rot = torch.view_as_complex(qk.float().view(t, -1, self.head_dim // 2, 2)) * rope
         qk.copy_(torch.view_as_real(rot).view(t, qk_size))
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
-        h = h.add_(self.o_proj.forward(attn.reshape(t, q_size)))
+        attn = attn.reshape(t, q_size)
+        h = h.add_(self.o_proj.forward(attn))
+        if lora is not None:
+            lora.add(self.layer_idx, "o_proj", attn, h)
         x = rms_norm(h, self.post_attention_layernorm, self.eps, self.compute_dtype)
         gu = self.gate_up_proj.forward(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up_proj", x, gu)
         act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
-        return h.add_(self.down_proj.forward(act))
+        h = h.add_(self.down_proj.forward(act))
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", act, h)
+        return h
 
     def forward_bf16(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -202,14 +214,28 @@ class DecoderLayer(nn.Module):
         ops = meta.bf16_ops
         assert ops is not None and meta.positions is not None
         t, q_size = h.shape[0], self.q_size
-        qkv = self.qkv_proj.forward(ops.rms_norm_bf16(h, self.input_layernorm, self.eps))
+        lora = meta.lora
+        x = ops.rms_norm_bf16(h, self.input_layernorm, self.eps)
+        qkv = self.qkv_proj.forward(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "qkv_proj", x, qkv)
         ops.rope_bf16_(qkv, self.num_heads + self.num_kv_heads, rope, meta.positions)
         q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
         attn = paged_attention(q, qkv[:, q_size:], kv_cache, meta, self.sliding_window)
-        h = ops.add_bf16_(h, self.o_proj.forward(attn.reshape(t, q_size)))
+        attn = attn.reshape(t, q_size)
+        o = self.o_proj.forward(attn)
+        if lora is not None:
+            lora.add(self.layer_idx, "o_proj", attn, o)
+        h = ops.add_bf16_(h, o)
         x = ops.rms_norm_bf16(h, self.post_attention_layernorm, self.eps)
-        act = ops.silu_mul_bf16(self.gate_up_proj.forward(x))
-        return ops.add_bf16_(h, self.down_proj.forward(act))
+        gu = self.gate_up_proj.forward(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up_proj", x, gu)
+        act = ops.silu_mul_bf16(gu)
+        down = self.down_proj.forward(act)
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", act, down)
+        return ops.add_bf16_(h, down)
 
     def forward_decode(
         self, h: torch.Tensor, rope: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -222,17 +248,27 @@ class DecoderLayer(nn.Module):
         ops = meta.cpu_ops
         assert ops is not None and meta.positions is not None
         assert meta.block_table is not None and meta.num_keys is not None
+        lora = meta.lora
         x = ops.rms_norm(h, self.input_layernorm, self.eps)
         qkv = self.qkv_proj.forward(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "qkv_proj", x, qkv)
         ops.rope_(qkv, self.num_heads + self.num_kv_heads, rope, meta.positions)
         attn = ops.attn_decode(
             qkv, self.num_heads, kv_cache, meta.slot_mapping, meta.block_table,
             meta.num_keys, self.sliding_window,
         )  # fmt: skip
         _add_projection(self.o_proj, attn, h)
+        if lora is not None:
+            lora.add(self.layer_idx, "o_proj", attn, h)
         x = ops.rms_norm(h, self.post_attention_layernorm, self.eps)
-        act = ops.silu_mul(self.gate_up_proj.forward(x))
+        gu = self.gate_up_proj.forward(x)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up_proj", x, gu)
+        act = ops.silu_mul(gu)
         _add_projection(self.down_proj, act, h)
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", act, h)
         return h
 
     def kernel_weights(self) -> LayerWeights | None:

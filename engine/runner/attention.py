@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from sluice.engine.kernels import CpuOps, DecodePlan
+    from sluice.engine.models.lora import LoRAStep
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class AttentionMetadata:
     # groups with `row_keys` attend on `CpuOps.attn_paged`, reading the blocks in place
     # where gather + SDPA copies every request's keys padded to the longest and masks
     bf16_ops: CpuOps | None = None
+    # a step with rows of a LoRA adapter: each decoder layer adds the adapters' deltas to
+    # its projections (engine.models.lora); None keeps the base path as it is
+    lora: LoRAStep | None = None
 
     def mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
         """Additive mask [P, 1, G*q_len, kv_len] for `window` (built once per step)."""

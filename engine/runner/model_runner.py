@@ -3,7 +3,9 @@
 The torch side of the engine step (`engine.engine_core` calls `execute` once per step):
 flat inputs (`engine.runner.inputs`) -> model forward over the paged cache -> logits for the
 rows that sample -> (`engine.logits`, for rows with penalties, bias, min_tokens or a
-grammar) -> `engine.sampler`. Keeps one seeded `torch.Generator` per request whose
+grammar) -> `engine.sampler`. Loads a LoRA adapter into the slot the scheduler gave its
+request when the slot holds another (`engine.models.lora`); an adapter that fails to
+load fails its requests alone. Keeps one seeded `torch.Generator` per request whose
 sampling params carry a seed, and one grammar matcher per constrained request, and drops
 them when the scheduler reports the request finished.
 """
@@ -28,12 +30,14 @@ from sluice.engine.core.outputs import (
 from sluice.engine.core.request import Request
 from sluice.engine.errors import RequestRejectedError
 from sluice.engine.logits import LogitsProcessor, output_token_ids, winding_up
+from sluice.engine.lora import LoRAAdapterError, LoRAConfig, LoRARequest, read_lora_config
 from sluice.engine.models.cpu_linear import (
     PackedLinear,
     native_low_precision,
     pack_linears,
 )
 from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from sluice.engine.models.lora import LoRAStep, LoRAWeights
 from sluice.engine.options import EngineOptions
 from sluice.engine.quantization import Int8Linear
 from sluice.engine.runner.inputs import StepInputs, prepare_inputs
@@ -50,6 +54,9 @@ WARM_BUDGET_S = 1.0
 
 # prompt rows per lm_head call for prompt logprobs: 256 x a 49k vocab is 50 MB of fp32 logits
 PROMPT_LOGPROBS_ROWS = 256
+
+# adapter configs read (at submit, again at load): kept for this many adapters
+LORA_CONFIG_CACHE = 256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,6 +135,7 @@ class ModelRunner:
     """
 
     computes_prompt_logprobs = True  # `RunnerOutput.prompt_logprobs` (EngineCore asks)
+    serves_lora = True  # `EngineRequest.lora_request` (EngineCore asks)
 
     def __init__(
         self,
@@ -204,11 +212,27 @@ class ModelRunner:
         # a constrained request's matcher: a future while its grammar compiles
         self._matchers: dict[str, RequestMatcher | Future[RequestMatcher]] = {}
         self._logits_processor = LogitsProcessor()
+        # the adapters' slot weights, made when the first adapter loads
+        self.lora_weights: LoRAWeights | None = None
+        self._lora_configs: dict[LoRARequest, LoRAConfig] = {}
+
+    def lora_config(self, lora: LoRARequest) -> LoRAConfig:
+        """The adapter's checked config (read once); raises LoRAAdapterError."""
+        config = self._lora_configs.get(lora)
+        if config is None:
+            config = read_lora_config(lora, self.config.max_lora_rank)
+            if len(self._lora_configs) >= LORA_CONFIG_CACHE:
+                self._lora_configs.pop(next(iter(self._lora_configs)))
+            self._lora_configs[lora] = config
+        return config
 
     def add_request(self, request: Request) -> None:
         """Start compiling a constrained request's grammar, off the engine thread; raises
         RequestRejectedError when there is no compiler or the grammar is known not to
-        compile. Its resumed tokens (a failover or restart) are replayed into the matcher."""
+        compile. Its resumed tokens (a failover or restart) are replayed into the matcher.
+        An adapter whose config is unreadable or unsupported is refused here too."""
+        if request.lora_request is not None:
+            self.lora_config(request.lora_request)
         constraint = request.sampling_params.constraint
         if constraint is None:
             return
@@ -239,8 +263,11 @@ class ModelRunner:
         torch.set_flush_denormal(True)  # per thread: the engine loop may run in any thread
         for rid in scheduler_output.finished_request_ids:
             self._drop(rid)
+        failed = self._load_adapters(scheduler_output)
+        if failed:
+            scheduler_output = _without(scheduler_output, failed)
         if scheduler_output.is_empty:
-            return RunnerOutput()
+            return RunnerOutput(failed=failed)
         if self._prefill_threads is not None:
             self._set_threads(scheduler_output.num_batched_tokens)
         with torch.inference_mode():
@@ -253,7 +280,9 @@ class ModelRunner:
                 cpu_ops=self.cpu_ops,
                 bf16_ops=self.bf16_ops,
             )
-            if inputs.meta.cpu_ops is not None:
+            inputs.meta.lora = self._lora_step(scheduler_output)
+            # the one-call decode plan has no adapters: a step with some runs layer by layer
+            if inputs.meta.cpu_ops is not None and inputs.meta.lora is None:
                 inputs.meta.decode_plan = self.decode_plan
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
@@ -262,7 +291,52 @@ class ModelRunner:
             out = self._sample(inputs, hidden) if inputs.sampling else RunnerOutput()
         if prompt:
             out.prompt_logprobs = prompt
+        if failed:
+            out.failed.update(failed)
         return out
+
+    def _load_adapters(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
+        """Load each scheduled request's adapter into its slot where the slot holds
+        another; returns the requests whose adapter failed to load -> why."""
+        failed: dict[str, str] = {}
+        errors: dict[LoRARequest, str] = {}
+        for s in scheduler_output.scheduled:
+            request = s.request
+            lora, slot = request.lora_request, request.lora_slot
+            if lora is None:
+                continue
+            assert slot is not None, "a request with an adapter is scheduled with its slot"
+            weights = self.lora_weights
+            if weights is not None and weights.loaded[slot] == lora:
+                continue
+            error = errors.get(lora)
+            if error is None:
+                try:
+                    if weights is None:
+                        weights = self.lora_weights = LoRAWeights(
+                            self.model.config, self.config.max_loras, self.dtype
+                        )
+                    weights.load(slot, lora, self.lora_config(lora))
+                    continue
+                except LoRAAdapterError as exc:
+                    error = errors[lora] = str(exc)
+            failed[request.request_id] = error
+        return failed
+
+    def _lora_step(self, scheduler_output: SchedulerOutput) -> LoRAStep | None:
+        """The step's adapters by flat row (decode rows first, then prefill chunks, as
+        `prepare_inputs` lays them out), or None when no row has one."""
+        weights = self.lora_weights
+        scheduled = scheduler_output.scheduled
+        if weights is None or all(s.request.lora_slot is None for s in scheduled):
+            return None
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        rows: list[int] = []
+        for s in decodes + prefills:
+            slot = s.request.lora_slot
+            rows += [-1 if slot is None else slot] * s.num_new_tokens
+        return LoRAStep.for_rows(weights, rows)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
         """The step's sampled tokens from the model's last hidden states."""
@@ -456,3 +530,14 @@ class ModelRunner:
             g.manual_seed(generator_seed(seed))
             self._generators[request_id] = g
         return g
+
+
+def _without(scheduler_output: SchedulerOutput, request_ids: dict[str, str]) -> SchedulerOutput:
+    """The step without `request_ids`' rows (they failed before running)."""
+    kept = [s for s in scheduler_output.scheduled if s.request_id not in request_ids]
+    return SchedulerOutput(
+        kept,
+        sum(s.num_new_tokens for s in kept),
+        scheduler_output.preempted_request_ids,
+        scheduler_output.finished_request_ids,
+    )

@@ -1,0 +1,251 @@
+"""LoRA adapters inside the model's fused projections: slot weights and the batched delta.
+
+The runner keeps one `LoRAWeights` (made when the first adapter loads) and, in a step
+whose batch has rows of an adapter, hands the decoder layers a `LoRAStep`. For each
+fused projection (qkv, o, gate_up, down) every slot's A matrices are stacked rank-major
+into one `[parts * rank * slots, in]` tensor and the B matrices (scale folded in) into
+one `[rank * slots, out]` per part, so a step of any mix of adapters and the base model
+costs the same few ops per projection:
+
+    xa = x @ A_all^T                 every slot's low-rank input, [rows, parts*rank*slots]
+    xa *= mask                       a row keeps only its own slot's columns (base: none)
+    y[:, part] += xa[:, part] @ B_part
+
+No merged weights: the base projections run as they do without adapters. The rank
+dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
+bigger adapters arrive, up to `max_lora_rank`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from sluice.engine.lora import WEIGHTS_FILE, LoRAAdapterError, LoRAConfig, LoRARequest
+from sluice.engine.models.llama import LlamaConfig, interleave_rope_rows
+
+logger = logging.getLogger(__name__)
+
+# fused projection -> the Hugging Face modules it holds, in output order
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+_PART_OF = {p: (fused, i) for fused, parts in FUSED_PARTS.items() for i, p in enumerate(parts)}
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+def module_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each Hugging Face projection."""
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+class FusedLoRA:
+    """One fused projection's adapter weights, every slot: A rank-major `[P, R, S, in]`
+    (viewed flat), B per part `[R, S, out_p]`; column c of `x @ A^T` is slot c % S."""
+
+    def __init__(
+        self, in_features: int, out_sizes: list[int], num_slots: int, rank: int, dtype: torch.dtype
+    ) -> None:
+        self.in_features, self.out_sizes, self.num_slots = in_features, out_sizes, num_slots
+        self.rank = 0
+        self.dtype = dtype
+        self.a = torch.zeros((0, in_features), dtype=dtype)
+        self.b = [torch.zeros((0, n), dtype=dtype) for n in out_sizes]
+        self.offsets = [sum(out_sizes[:p]) for p in range(len(out_sizes))]
+        self.targeted = [0] * num_slots  # per slot, whether its adapter targets this
+        self.grow(rank)
+
+    @property
+    def active(self) -> bool:
+        return any(self.targeted)
+
+    def grow(self, rank: int) -> None:
+        """Widen the rank dimension to `rank`, keeping every slot's weights."""
+        if rank <= self.rank:
+            return
+        parts, s, old = len(self.out_sizes), self.num_slots, self.rank
+        a = torch.zeros((parts, rank, s, self.in_features), dtype=self.dtype)
+        a[:, :old] = self.a.view(parts, old, s, self.in_features)
+        self.a = a.view(parts * rank * s, self.in_features)
+        b = []
+        for n, old_b in zip(self.out_sizes, self.b, strict=True):
+            new = torch.zeros((rank, s, n), dtype=self.dtype)
+            new[:old] = old_b.view(old, s, n)
+            b.append(new.view(rank * s, n))
+        self.b = b
+        self.rank = rank
+
+    def set_slot(
+        self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None
+    ) -> None:
+        """Slot `slot`'s `part`: A `[r, in]`, B `[out_p, r]` (scaled); None clears it."""
+        parts, r_all, s = len(self.out_sizes), self.rank, self.num_slots
+        a_view = self.a.view(parts, r_all, s, self.in_features)[part, :, slot]
+        b_view = self.b[part].view(r_all, s, self.out_sizes[part])[:, slot]
+        a_view.zero_()
+        b_view.zero_()
+        if a is not None and b is not None:
+            r = a.shape[0]
+            a_view[:r] = a
+            b_view[:r] = b.t()
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
+        """y += each row's own slot's delta (x: the projection's input, y: its output,
+        or a tensor it was added into; mask: `LoRAStep.mask`)."""
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        xa = torch.mm(x, self.a.t()).mul_(mask)
+        width = self.rank * self.num_slots
+        same = y.dtype == self.dtype
+        for p, (b, off, n) in enumerate(zip(self.b, self.offsets, self.out_sizes, strict=True)):
+            part = xa[:, p * width : (p + 1) * width] if len(self.b) > 1 else xa
+            out = y[:, off : off + n] if len(self.b) > 1 else y
+            if same:
+                out.addmm_(part, b)
+            else:
+                out.add_(torch.mm(part, b))
+
+
+class LoRAWeights:
+    """Every layer's `FusedLoRA`s and which adapter each slot holds (the runner's)."""
+
+    def __init__(self, cfg: LlamaConfig, num_slots: int, dtype: torch.dtype) -> None:
+        self.config = cfg
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.rank = 0
+        self.loaded: list[LoRARequest | None] = [None] * num_slots
+        self.shapes = module_shapes(cfg)
+        self.layers: list[dict[str, FusedLoRA]] = []
+        for _ in range(cfg.num_hidden_layers):
+            fused = {}
+            for name, parts in FUSED_PARTS.items():
+                fused[name] = FusedLoRA(
+                    self.shapes[parts[0]][0],
+                    [self.shapes[p][1] for p in parts],
+                    num_slots,
+                    0,
+                    dtype,
+                )
+            self.layers.append(fused)
+
+    def load(self, slot: int, lora: LoRARequest, config: LoRAConfig) -> None:
+        """Read the adapter's weights into `slot` (evicting what it held); raises
+        LoRAAdapterError when the file does not fit this model, leaving the slot empty."""
+        self.clear(slot)
+        tensors = self._read(lora, config)
+        if config.rank > self.rank:
+            for fused in self._all():
+                fused.grow(config.rank)
+            self.rank = config.rank
+        cfg = self.config
+        for (layer, module), (a, b) in tensors.items():
+            fused_name, part = _PART_OF[module]
+            if module in ("q_proj", "k_proj"):  # the engine's q/k rows are RoPE-interleaved
+                heads = cfg.num_attention_heads if module == "q_proj" else cfg.num_key_value_heads
+                b = interleave_rope_rows(b, heads, cfg.head_dim)
+            fused = self.layers[layer][fused_name]
+            fused.set_slot(slot, part, a, b * config.scale)
+            fused.targeted[slot] = 1
+        self.loaded[slot] = lora
+        logger.info("adapter %s loaded into slot %s (rank %s)", lora.name, slot, config.rank)
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers:
+            for name, fused in layer.items():
+                if fused.targeted[slot]:
+                    for part in range(len(FUSED_PARTS[name])):
+                        fused.set_slot(slot, part, None, None)
+                    fused.targeted[slot] = 0
+        self.loaded[slot] = None
+
+    def _all(self) -> list[FusedLoRA]:
+        return [fused for layer in self.layers for fused in layer.values()]
+
+    def _read(
+        self, lora: LoRARequest, config: LoRAConfig
+    ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """(layer, module) -> (A, B) in this engine's dtype, every shape checked."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = f"{lora.path}/{WEIGHTS_FILE}"
+        try:
+            raw = load_file(path)
+        except (OSError, SafetensorError) as exc:
+            raise LoRAAdapterError(f"adapter {lora.name!r}: cannot read {path}: {exc}") from None
+        halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in raw.items():
+            m = _KEY.search(key)
+            if m is None:
+                raise LoRAAdapterError(
+                    f"adapter {lora.name!r}: tensor {key!r} is not a LoRA A/B of a "
+                    f"projection this engine serves"
+                )
+            layer, module, which = int(m[1]), m[2], m[3]
+            if module not in config.target_modules or layer >= self.config.num_hidden_layers:
+                raise LoRAAdapterError(
+                    f"adapter {lora.name!r}: tensor {key!r} does not fit the model "
+                    f"({self.config.num_hidden_layers} layers, targets "
+                    f"{sorted(config.target_modules)})"
+                )
+            halves.setdefault((layer, module), {})[which] = tensor
+        out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for (layer, module), ab in halves.items():
+            a, b = ab.get("A"), ab.get("B")
+            fan_in, fan_out = self.shapes[module]
+            want_a, want_b = (config.rank, fan_in), (fan_out, config.rank)
+            if a is None or b is None or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                got = [None if t is None else tuple(t.shape) for t in (a, b)]
+                raise LoRAAdapterError(
+                    f"adapter {lora.name!r}: layer {layer} {module}: A/B shapes {got}, "
+                    f"expected {want_a} and {want_b} for this model at r={config.rank}"
+                )
+            out[(layer, module)] = (a.to(self.dtype), b.to(self.dtype))
+        return out
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """One step's adapters: `slots[i]` is the slot of flat row i (-1: the base model);
+    the per-width masks are built on first use by a layer and shared by the others."""
+
+    weights: LoRAWeights
+    onehot: torch.Tensor  # [rows, slots]: 1 where a row's slot is
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def for_rows(cls, weights: LoRAWeights, row_slots: list[int]) -> LoRAStep:
+        slots = torch.tensor(row_slots, dtype=torch.int64)
+        onehot = torch.zeros((len(row_slots), weights.num_slots + 1), dtype=weights.dtype)
+        onehot.scatter_(1, (slots + 1)[:, None], 1.0)  # column 0: the base rows
+        return cls(weights, onehot[:, 1:].contiguous())
+
+    def mask(self, parts: int) -> torch.Tensor:
+        m = self._masks.get(parts)
+        if m is None:
+            m = self._masks[parts] = self.onehot.repeat(1, parts * self.weights.rank)
+        return m
+
+    def add(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the LoRA delta of layer `layer`'s projection `name` at input x."""
+        fused = self.weights.layers[layer][name]
+        if fused.active:
+            fused.add(x, y, self.mask(len(fused.out_sizes)))
