@@ -86,6 +86,21 @@ class ModelSettings(SettingsBase):
         ge=16,
         description="token budget of one engine step, prompt chunks and decodes together",
     )
+    max_loras: int = from_config(
+        EngineConfig,
+        "max_loras",
+        ge=0,
+        description="LoRA adapters resident in the torch engine at once, batched together in"
+        " a step; others load on demand, evicting the least recently used one no running"
+        " request holds (0: no adapters)",
+    )
+    max_lora_rank: int = from_config(
+        EngineConfig,
+        "max_lora_rank",
+        ge=1,
+        description="the largest LoRA adapter rank the torch engine accepts; a request with"
+        " a larger one fails",
+    )
     quantization: Literal["int8"] | None = Field(
         default=None,
         description="'int8': the projections' weights quantized to int8 (one scale per"
