@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
-PING = ": ping\n\n"
+# A comment line without the blank line that ends an event: the openai SDK's decoder
+# dispatches an empty event at a blank line once any event had an id (it keeps the last
+# id, as the spec says) and then fails to parse its empty data as JSON.
+PING = ": ping\n"
 # set in the ASGI scope's state by the HTTP server when it closes a connection whose client
 # stopped reading: a defence against slow readers, so its stream is not kept for a resume
 SEND_STALLED = "send_stalled"
