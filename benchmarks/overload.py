@@ -45,7 +45,7 @@ from benchmarks.stats import percentile, ratio
 from sluice.api.app import create_app
 from sluice.api.slo import SloAdmission
 from sluice.bus.memory import MemoryEventBus
-from sluice.bus.topics import TopicLayout
+from sluice.bus.topics import TopicLayout, pool_id
 from sluice.consumers.engine_worker import EngineWorker, EngineWorkerConfig
 from sluice.consumers.progress import MemoryProgressStore
 from sluice.engine.backends.sim.presets import SimPreset
@@ -142,9 +142,11 @@ def stack() -> Iterator[Stack]:
 
     model = wiring.served_model(settings)  # tiny-llama's tokenizer: the sim's vocabulary
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=1).specs())
+    pool = pool_id(model.name)
+    bus.create_topics(TopicLayout(request_partitions=1, pools=(pool,)).specs())
     backend = SimEngineBackend(PRESET, max_model_len=2048, tokenizer=model.tokenizer)
-    worker = EngineWorker(bus, backend, EngineWorkerConfig(), MemoryProgressStore(), "w1")
+    config = EngineWorkerConfig()
+    worker = EngineWorker(bus, backend, config, MemoryProgressStore(), "w1", pool=pool)
     worker_thread = threading.Thread(target=worker.run, name="overload-worker", daemon=True)
     worker_thread.start()
     assert worker.wait_ready(30.0), "the engine worker got no partitions"
@@ -158,8 +160,9 @@ def stack() -> Iterator[Stack]:
     server_thread.start()
     while not server.started:
         time.sleep(0.05)
-    slo = app.state.gateway.service.slo
-    assert slo is not None
+    pools = app.state.gateway.service.slo
+    assert pools is not None
+    slo = pools.pools[pool]  # the one served model's
     try:
         yield Stack(f"http://127.0.0.1:{port}", slo, worker)
     finally:

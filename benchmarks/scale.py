@@ -47,12 +47,13 @@ from benchmarks.stats import percentile, ratio
 from sluice.bus.codec import decode_as
 from sluice.bus.kafka import KafkaEventBus
 from sluice.bus.messages import TelemetryRecord, Timings
-from sluice.bus.topics import TELEMETRY_TOPIC, Lane, TopicLayout, request_topic
+from sluice.bus.topics import TELEMETRY_TOPIC, Lane, TopicLayout, pool_id, request_topic
 from sluice.settings import BusSettings, CommonSettings, load_settings
 from sluice.tansu import TansuBroker
 
 SIZES = (1, 2, 4)
 PARTITIONS = 8  # per lane topic: 1, 2 and 4 workers each hold the same share
+POOL = pool_id("tiny-llama")  # the workers' model (SLUICE_MODEL below): its lanes
 TENANTS = 64  # a tenant's requests share a partition: many tenants spread the load
 PROMPT_LEN = (128, 512)
 OUTPUT_LEN = (64, 192)
@@ -353,7 +354,8 @@ async def stage(cfg: Config, n: int, env: dict[str, str]) -> AsyncIterator[Stage
         bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-gateway"))
         stack.callback(bus.close)
         # as the workers' SLUICE_REQUEST_PARTITIONS: they check the topics they find
-        bus.create_topics(TopicLayout(request_partitions=PARTITIONS).specs())
+        layout = TopicLayout(request_partitions=PARTITIONS, pools=(POOL,))
+        bus.create_topics(layout.specs())
         tap = TelemetryTap(bootstrap)
         stack.callback(tap.close)
         await asyncio.to_thread(tap.wait_listening, 60.0)
@@ -369,7 +371,7 @@ async def stage(cfg: Config, n: int, env: dict[str, str]) -> AsyncIterator[Stage
                 "workers": workers.cpu_s,
                 "broker": lambda: sum(cpu_ticks(p) for p in broker_pids) / CLK_TCK,
             }
-            partitions = bus.num_partitions(request_topic(Lane.STANDARD))
+            partitions = bus.num_partitions(request_topic(Lane.STANDARD, POOL))
             yield Stage(bus, tap, workers, meters, partitions)
         finally:
             await asyncio.to_thread(workers.close)

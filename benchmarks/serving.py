@@ -32,7 +32,7 @@ from benchmarks import serving_procs as procs
 from benchmarks import serving_runs as runs
 from benchmarks.stats import ratio
 from sluice.bus.kafka import KafkaEventBus
-from sluice.bus.topics import TopicLayout
+from sluice.bus.topics import TopicLayout, pool_id
 from sluice.engine.cpus import CpuLayout, pin_process, plan_layout
 from sluice.settings import BusSettings, CommonSettings, load_settings
 from sluice.tansu import TansuBroker
@@ -169,7 +169,7 @@ async def _run_async(
         direct = runs.DirectClient(backend)
         await direct.start()
         await asyncio.to_thread(worker.wait_ready, 120.0)
-        bus.create_topics(TopicLayout().specs())
+        bus.create_topics(TopicLayout(pools=(pool_id("tiny-llama"),)).specs())
         await _warm_up(direct)
         async with _gateway(bus):  # its warm-up warms the worker
             pass

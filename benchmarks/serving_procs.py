@@ -23,7 +23,10 @@ from sluice.bus.base import TopicSpec
 from sluice.bus.codec import decode_as
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 from sluice.bus.messages import TelemetryRecord, Timings
-from sluice.bus.topics import TELEMETRY_TOPIC, TopicLayout
+from sluice.bus.topics import TELEMETRY_TOPIC, TopicLayout, pool_id
+
+# the worker's model, as the gateway side's requests name it (`serving_runs`): its lanes
+POOL = pool_id("tiny-llama")
 
 
 def kafka_config(bootstrap: str, client_id: str) -> KafkaConfig:
@@ -99,7 +102,7 @@ def _worker_main(
     from sluice.engine.backends.torch_backend import TorchEngineBackend
 
     bus = KafkaEventBus(kafka_config(bootstrap, "sluice-bench-worker"))
-    bus.create_topics(TopicLayout().specs())
+    bus.create_topics(TopicLayout(pools=(POOL,)).specs())
     backend: Any
     if engine_process():  # as `sluice worker engine` runs it
         spec = EngineSpec("tiny-llama", engine_config(), data_dir, options=options)
@@ -108,9 +111,8 @@ def _worker_main(
         backend = TorchEngineBackend.from_model(
             "tiny-llama", config=engine_config(), data_dir=data_dir, options=options
         )
-    worker = EngineWorker(
-        bus, backend, EngineWorkerConfig(group_id=group_id), MemoryProgressStore(), "bench-w0"
-    )
+    config = EngineWorkerConfig(group_id=group_id)
+    worker = EngineWorker(bus, backend, config, MemoryProgressStore(), "bench-w0", pool=POOL)
     freeze_heap()  # as `sluice worker engine` does
     thread = threading.Thread(target=worker.run, name="bench-worker", daemon=True)
     thread.start()

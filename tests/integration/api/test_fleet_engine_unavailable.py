@@ -30,7 +30,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 @pytest.fixture
 def kafka_bus(dedicated_kafka: str) -> Iterator[KafkaEventBus]:
     bus = KafkaEventBus(KafkaConfig(bootstrap=dedicated_kafka, client_id="sluice-fleet-503"))
-    bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
+    layout = TopicLayout(request_partitions=1, control_partitions=1, pools=("tiny",))
+    bus.create_topics(layout.specs())
     yield bus
     bus.close()
 
@@ -59,7 +60,7 @@ def down_worker(kafka_bus: KafkaEventBus, upstream: str) -> Iterator[WorkerThrea
         engine_restart_max_s=0.2,
         engine_max_failed_starts=1_000_000,  # it keeps trying while the test runs
     )
-    worker = WorkerThread(kafka_bus, backend, config, worker_id="down")
+    worker = WorkerThread(kafka_bus, backend, config, worker_id="down", pool="tiny")
     worker.thread.start()  # never ready: no engine comes up
     yield worker
     worker.stop(timeout_s=10)

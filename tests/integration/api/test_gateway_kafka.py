@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 @pytest.fixture
 def kafka_bus(dedicated_kafka: str) -> Iterator[KafkaEventBus]:
     bus = KafkaEventBus(KafkaConfig(bootstrap=dedicated_kafka, client_id="sluice-api-test"))
-    bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=1, control_partitions=1, pools=("tiny",)).specs()
+    )
     yield bus
     bus.close()
 
@@ -61,7 +63,7 @@ def test_chat_stream_and_cancel_over_kafka(kafka_bus: KafkaEventBus) -> None:
             assert text == "Hello world"
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 11
             [(topic, req)] = worker.requests
-            assert topic == request_topic(Lane.BATCH)
+            assert topic == request_topic(Lane.BATCH, "tiny")
             assert req.reply_to == gateway_id
 
             worker.mode = "hang"
@@ -107,7 +109,9 @@ def test_a_stream_survives_a_broker_outage_longer_than_the_session_timeout(
     proxy = TcpProxy(broker.port, port=kafka_port)
     kafka = KafkaEventBus(KafkaConfig(bootstrap=f"127.0.0.1:{kafka_port}", client_id="outage"))
     bus = GatewayConsumersSeen(kafka)
-    bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=1, control_partitions=1, pools=("tiny",)).specs()
+    )
     reply = "".join(f"{i:04d} " for i in range(300))  # 1,500 tokens of the byte tokenizer
     worker = FakeEngineWorker(bus, reply=reply, step_s=0.01, group_id="fake-engine-outage")
     settings = gateway_settings(request_timeout_s=120.0)
@@ -152,7 +156,9 @@ def test_a_request_answered_503_in_an_outage_never_runs_later(tmp_path: Path) ->
     proxy = TcpProxy(broker.port, port=kafka_port)
     config = KafkaConfig(bootstrap=f"127.0.0.1:{kafka_port}", client_id="outage-503")
     bus = KafkaEventBus(dataclasses.replace(config, message_timeout_ms=2000))
-    bus.create_topics(TopicLayout(request_partitions=1, control_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=1, control_partitions=1, pools=("tiny",)).specs()
+    )
     worker = FakeEngineWorker(bus, group_id="fake-engine-503")
     app = create_app(gateway_settings(publish_timeout_s=2.0), bus, [served_model("tiny")])
     headers = {"Authorization": f"Bearer {API_KEY}"}

@@ -26,7 +26,7 @@ from tests.unit.api.fakes import FakeEngineWorker, ServerThread, served_model
 @pytest.fixture(scope="module")
 def live() -> Iterator[tuple[ServerThread, FakeEngineWorker]]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2).specs())
+    bus.create_topics(TopicLayout(request_partitions=2, pools=("tiny",)).specs())
     worker = FakeEngineWorker(bus).start()
     app = create_app(gateway_settings(), bus, [served_model("tiny")])
     with ServerThread(app) as server:
@@ -66,7 +66,7 @@ def test_sdk_chat(client: openai.OpenAI, engine: FakeEngineWorker) -> None:
     completion = raw.parse()
     assert completion.choices[0].message.content == "Hello world"
     assert completion.service_tier == "priority"
-    assert engine.requests[0][0] == request_topic(Lane.INTERACTIVE)
+    assert engine.requests[0][0] == request_topic(Lane.INTERACTIVE, "tiny")
 
 
 def test_sdk_chat_stream_include_usage(client: openai.OpenAI) -> None:

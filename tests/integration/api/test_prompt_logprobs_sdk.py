@@ -40,13 +40,13 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
 
     data = tmp_path_factory.mktemp("data")
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=1).specs())
+    bus.create_topics(TopicLayout(request_partitions=1, pools=("tiny-llama",)).specs())
     # a small token budget: the prompt is prefilled in chunks
     config = EngineConfig(
         block_size=4, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=4
     )
     backend = TorchEngineBackend.from_model("tiny-llama", config=config, data_dir=data)
-    worker = WorkerThread(bus, backend).start(60)
+    worker = WorkerThread(bus, backend, pool="tiny-llama").start(60)
     tokenizer = Tokenizer.from_dir(ensure_tiny_llama(Path(data)))
     model = ServedModel(name="tiny-llama", max_model_len=256, tokenizer=tokenizer)
     app = create_app(gateway_settings(), bus, [model])

@@ -41,7 +41,7 @@ class Live:
 
 def _live(window_s: float) -> Iterator[Live]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2).specs())
+    bus.create_topics(TopicLayout(request_partitions=2, pools=("tiny",)).specs())
     engine = FakeEngineWorker(bus, reply=REPLY, step_s=0.005).start()
     app = create_app(
         gateway_settings(stream_resume_window_s=window_s), bus, [served_model("tiny", 1024)]

@@ -39,7 +39,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2).specs())
+    bus.create_topics(TopicLayout(request_partitions=2, pools=("tiny",)).specs())
     engine = FakeEngineWorker(bus, reply=REPLY, step_s=0.005).start()
     directory = MemoryStreamDirectory()
     apps = []

@@ -53,16 +53,17 @@ class Outcome:
 @pytest.fixture
 def stack() -> Iterator[tuple[ServerThread, WorkerThread, MemoryEventBus, SloAdmission]]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=1).specs())
+    bus.create_topics(TopicLayout(request_partitions=1, pools=("tiny",)).specs())
     config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.1)
-    worker = WorkerThread(bus, RecordingSimBackend(step_s=STEP_S, max_running=2), config)
+    backend = RecordingSimBackend(step_s=STEP_S, max_running=2)
+    worker = WorkerThread(bus, backend, config, pool="tiny")
     worker.start()
     settings = gateway_settings(slo_admission=True, ttft_target_standard_s=TARGET_S)
     app = create_app(settings, bus, [served_model("tiny", max_model_len=1024)])
     with ServerThread(app) as server:
-        slo = app.state.gateway.service.slo
-        assert slo is not None
-        yield server, worker, bus, slo
+        pools = app.state.gateway.service.slo
+        assert pools is not None and "tiny" in pools.pools  # the served model's pool
+        yield server, worker, bus, pools.pools["tiny"]
     worker.stop()
     bus.close()
 
@@ -99,7 +100,7 @@ def test_a_burst_past_capacity_is_refused_before_publishing_and_the_rest_meet_th
     server, worker, bus, slo = stack
     backend = worker.backend
     assert isinstance(backend, RecordingSimBackend)
-    lane = TopicPartition(request_topic(Lane.STANDARD), 0)
+    lane = TopicPartition(request_topic(Lane.STANDARD, "tiny"), 0)
 
     # a cold fleet has no measured rate: nothing is refused until a backlog was served
     with ThreadPoolExecutor(WARMUP) as pool:

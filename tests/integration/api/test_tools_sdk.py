@@ -55,7 +55,7 @@ class SmallCity(BaseModel):
 @pytest.fixture(scope="module")
 def live() -> Iterator[tuple[ServerThread, FakeEngineWorker]]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2).specs())
+    bus.create_topics(TopicLayout(request_partitions=2, pools=("tiny",)).specs())
     worker = FakeEngineWorker(bus).start()
     app = create_app(gateway_settings(), bus, [served_model("tiny", max_model_len=8192)])
     with ServerThread(app) as server:
@@ -246,12 +246,12 @@ def test_parse_on_the_real_engine(tmp_path: Path) -> None:
     from tests.unit.consumers.engine_harness import WorkerThread
 
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=1).specs())
+    bus.create_topics(TopicLayout(request_partitions=1, pools=("tiny-llama",)).specs())
     config = EngineConfig(
         block_size=16, num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=1024
     )
     backend = TorchEngineBackend.from_model("tiny-llama", config=config, data_dir=tmp_path)
-    worker = WorkerThread(bus, backend).start(60)
+    worker = WorkerThread(bus, backend, pool="tiny-llama").start(60)
     tokenizer = Tokenizer.from_dir(ensure_tiny_llama(tmp_path))
     model = ServedModel(name="tiny-llama", max_model_len=1024, tokenizer=tokenizer)
     app = create_app(gateway_settings(), bus, [model])

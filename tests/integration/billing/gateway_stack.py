@@ -20,7 +20,7 @@ from sluice.billing.admission import AdmissionService
 from sluice.bus.codec import decode_as
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.messages import UsageRecord
-from sluice.bus.topics import USAGE_TOPIC, TopicLayout
+from sluice.bus.topics import USAGE_TOPIC, TopicLayout, pool_id
 from sluice.consumers.billing import billing_loop
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.consumers.loop import ConsumeLoop
@@ -118,10 +118,11 @@ def start_stack(
 ) -> Stack:
     """`gateways` apps on one memory bus, each with its own quota store from `make_quotas`."""
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    layout = TopicLayout(request_partitions=2, tokens_partitions=1, pools=(pool_id(MODEL),))
+    bus.create_topics(layout.specs())
     backend = GatedBackend(step_s=0.003, max_running=64)
     config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, max_engine_waiting=256)
-    worker = WorkerThread(bus, backend, config).start()
+    worker = WorkerThread(bus, backend, config, pool=pool_id(MODEL)).start()
     tap = UsageTap(bus)
     services = [
         AdmissionService(KeyAuthenticator(db), make_quotas(), PriceCache(PriceBook(db), ttl_s=0.5))

@@ -28,9 +28,12 @@ def test_topics_are_created_with_configured_partitions(bus: EventBus, topic: str
 
 
 def test_layout_lists_every_topic_with_a_dead_letter_twin() -> None:
-    specs = {s.name: s.num_partitions for s in TopicLayout(request_partitions=4).specs()}
-    assert specs["sluice.requests.interactive.v1"] == 4
-    assert specs["sluice.requests.batch.v1.dlq"] == 1
+    layout = TopicLayout(request_partitions=4, pools=("tiny-llama",))
+    specs = {s.name: s.num_partitions for s in layout.specs(["other"])}
+    assert specs["sluice.requests.tiny-llama.interactive.v1"] == 4
+    assert specs["sluice.requests.other.standard.v1"] == 4
+    assert specs["sluice.requests.tiny-llama.batch.v1.dlq"] == 1
+    assert not [name for name in TopicLayout().specs() if "requests" in name.name]  # no pool
     assert {"sluice.tokens.v1", "sluice.usage.v1", "sluice.control.v1"} <= set(specs)
 
 

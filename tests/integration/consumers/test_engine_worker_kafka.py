@@ -9,9 +9,15 @@ from collections.abc import Iterator
 import pytest
 
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
-from sluice.bus.topics import REQUEST_TOPICS, Lane
+from sluice.bus.topics import Lane, request_topics
 from sluice.consumers.engine_worker import EngineWorkerConfig
-from tests.unit.consumers.engine_harness import Client, WorkerThread, create_topics, make_request
+from tests.unit.consumers.engine_harness import (
+    POOL,
+    Client,
+    WorkerThread,
+    create_topics,
+    make_request,
+)
 from tests.unit.consumers.sim_engine import RecordingSimBackend, sim_reply
 from tests.waiting import wait_until
 
@@ -49,7 +55,8 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
     assert sorted(u.request_id for u in mine) == sorted(ids)
 
     # a later member of the same group starts after the committed offsets: nothing of ours
-    successor = kafka_bus.consumer(group, list(REQUEST_TOPICS))
+    assert worker.worker.group_id == f"{group}.{POOL}"  # each pool reads in its own group
+    successor = kafka_bus.consumer(worker.worker.group_id, list(request_topics(POOL)))
     seen: list[str] = []
     fence = f"fence-{run}"
 
@@ -58,7 +65,7 @@ def test_worker_on_kafka_streams_every_lane_and_commits(kafka_bus: KafkaEventBus
 
     wait_until(lambda: read() or successor.assignment(), 20, "the successor's assignment")
     # a fence in every partition: whatever the group had left would come before it
-    fences = [(t, p) for t in REQUEST_TOPICS for p in range(kafka_bus.num_partitions(t))]
+    fences = [(t, p) for t in request_topics(POOL) for p in range(kafka_bus.num_partitions(t))]
     for topic, partition in fences:
         kafka_bus.publish(topic, fence.encode(), partition=partition).result(30)
     wait_until(lambda: read() or seen.count(fence) >= len(fences), 30, "every fence")

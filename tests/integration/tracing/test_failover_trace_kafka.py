@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind
 
 from sluice.bus.codec import encode
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
-from sluice.bus.topics import request_topic
+from sluice.bus.topics import pool_id, request_topic
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.consumers.progress import MemoryProgressStore
 from sluice.consumers.tracing.handler import tracing_loop
@@ -53,7 +53,7 @@ def test_both_attempts_of_a_failover_share_the_trace(
     a = WorkerThread(kafka_bus, RecordingSimBackend(step_s=0.02), config, store, "a").start(30)
     try:
         with tracer().start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER):
-            topic = request_topic(request.lane)
+            topic = request_topic(request.lane, pool_id(request.model))
             send = SendSpan(topic, request.tenant_id, request.request_id)
             future = kafka_bus.publish(
                 topic, encode(request), key=request.tenant_id.encode(), headers=send.headers()

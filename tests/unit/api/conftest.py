@@ -33,7 +33,9 @@ def gateway_settings(**overrides: object) -> GatewaySettings:
 @pytest.fixture
 def memory_bus() -> Iterator[MemoryEventBus]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     yield bus
     bus.close()
 

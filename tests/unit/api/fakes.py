@@ -33,7 +33,7 @@ from sluice.bus.messages import (
     TopLogprob,
     Usage,
 )
-from sluice.bus.topics import CONTROL_TOPIC, REQUEST_TOPICS, reply_topic
+from sluice.bus.topics import CONTROL_TOPIC, reply_topic, request_topics
 from sluice.engine.sampling import Constraint
 from sluice.engine.structured import grammar_for
 from tests.waiting import wait_until
@@ -112,6 +112,8 @@ class FakeEngineWorker:
     mode: str = "echo"
     step_s: float = 0.002
     group_id: str = "fake-engine"
+    # the model pools whose lanes it reads (`pool_id` of the gateway's served models)
+    pools: tuple[str, ...] = ("tiny",)
     requests: list[tuple[str, GenerateRequest]] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
 
@@ -140,9 +142,8 @@ class FakeEngineWorker:
         return list(self.cancels)
 
     def _run(self) -> None:
-        consumer = self.bus.consumer(
-            self.group_id, [*REQUEST_TOPICS, CONTROL_TOPIC], offset_reset="latest"
-        )
+        lanes = [topic for pool in self.pools for topic in request_topics(pool)]
+        consumer = self.bus.consumer(self.group_id, [*lanes, CONTROL_TOPIC], offset_reset="latest")
         try:
             while not self._stop.is_set():
                 was_assigned = bool(consumer.assignment())

@@ -55,7 +55,7 @@ def test_chat_non_stream(client: TestClient, engine: FakeEngineWorker) -> None:
     assert body["usage"]["total_tokens"] == len(PROMPT_IDS) + 11
     assert body["service_tier"] == "default"
     [(topic, req)] = engine.requests
-    assert topic == request_topic(Lane.STANDARD)
+    assert topic == request_topic(Lane.STANDARD, "tiny")
     assert req.prompt_token_ids == PROMPT_IDS
     assert req.request_id == r.headers["x-request-id"]
     assert (req.tenant_id, req.cache_salt) == ("default", "default")
@@ -120,7 +120,7 @@ def test_service_tier_selects_lane(client: TestClient, engine: FakeEngineWorker)
         r = client.post("/v1/chat/completions", json={**CHAT, "service_tier": tier})
         assert r.status_code == 200
         assert r.json()["service_tier"] == echoed
-        assert engine.requests[-1][0] == request_topic(lane)
+        assert engine.requests[-1][0] == request_topic(lane, "tiny")
 
 
 def test_completions_token_ids(client: TestClient, engine: FakeEngineWorker) -> None:

@@ -54,7 +54,7 @@ def ttft_text(counts: tuple[int, int, int, int], *, tokens: int = 0, lag: int = 
         f'vllm:time_to_first_token_seconds_bucket{{model_name="m",le="{b}"}} {c}'
         for b, c in zip(le, counts, strict=True)
     )
-    interactive, standard = request_topic(Lane.INTERACTIVE), request_topic(Lane.STANDARD)
+    interactive, standard = request_topic(Lane.INTERACTIVE, "m"), request_topic(Lane.STANDARD, "m")
     return f"""# TYPE vllm:time_to_first_token_seconds histogram
 {buckets}
 vllm:time_to_first_token_seconds_count{{model_name="m"}} {counts[-1]}
@@ -68,9 +68,9 @@ vllm:num_requests_waiting{{model_name="m"}} 2
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
 # TYPE sluice_consumer_lag_records gauge
-sluice_consumer_lag_records{{group="engine",topic="{interactive}"}} {lag}
+sluice_consumer_lag_records{{group="engine.m",topic="{interactive}"}} {lag}
 sluice_consumer_lag_records{{group="audit",topic="{interactive}"}} 1
-sluice_consumer_lag_records{{group="engine",topic="{standard}"}} 7
+sluice_consumer_lag_records{{group="engine.m",topic="{standard}"}} 7
 sluice_consumer_lag_records{{group="billing",topic="sluice.usage.v1"}} 4
 """
 
@@ -91,6 +91,9 @@ def test_queue_depth_sums_each_request_topic_over_its_groups() -> None:
     scrape = parse_scrape(ttft_text((0, 0, 0, 0), lag=5))
     assert queue_depth([scrape]) == {"interactive": 6.0, "standard": 7.0, "batch": None}
     assert queue_depth([scrape, scrape])["interactive"] == 12.0  # two processes
+    other = request_topic(Lane.INTERACTIVE, "other")  # another model pool's lane: summed in
+    text = f'sluice_consumer_lag_records{{group="engine.other",topic="{other}"}} 3\n'
+    assert queue_depth([scrape, parse_scrape(text)])["interactive"] == 9.0
 
 
 def test_percentiles_use_bucket_deltas_of_the_window_and_rates_the_last_two_polls() -> None:
@@ -157,7 +160,7 @@ def test_a_real_registry_with_the_contract_names_is_read() -> None:
         ttft.labels("m").observe(0.05)
     ttft.labels("m").observe(0.7)
     tokens.labels("m").inc(42)
-    lag.labels("engine", request_topic(Lane.BATCH)).set(9)
+    lag.labels("engine.m", request_topic(Lane.BATCH, "m")).set(9)
     scrapes, sources = _run(scrape_all([], registry=registry))
     history = ScrapeHistory()
     history.add(0.0, scrapes)
@@ -331,7 +334,7 @@ def test_the_grafana_dashboard_loads_and_every_panel_queries_a_datasource() -> N
 def test_the_contract_metrics_of_this_process_reach_the_data(app: FastAPI) -> None:
     from sluice.tracing import metrics
 
-    topic = request_topic(Lane.BATCH)
+    topic = request_topic(Lane.BATCH, "tiny")
     with TestClient(app) as client:
         before = admin(client).json()
         metrics.GENERATION_TOKENS.labels("dash-test").inc(40)

@@ -44,7 +44,9 @@ def memory_bus(clock: FakeClock) -> Iterator[MemoryEventBus]:
     bus = MemoryEventBus(
         retention_records=WINDOW, empty_group_retention_s=EMPTY_GROUP_RETENTION_S, clock=clock
     )
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     yield bus
     bus.close()
 

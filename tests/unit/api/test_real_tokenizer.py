@@ -19,15 +19,18 @@ from tests.unit.api.conftest import API_KEY, gateway_settings
 from tests.unit.api.fakes import FakeEngineWorker
 
 
-def test_chat_with_the_engine_tokenizer(
-    tmp_path: Path, memory_bus: MemoryEventBus, engine: FakeEngineWorker
-) -> None:
+def test_chat_with_the_engine_tokenizer(tmp_path: Path, memory_bus: MemoryEventBus) -> None:
     tokenizer = Tokenizer.from_dir(ensure_tiny_llama(tmp_path))
     model = ServedModel(name="tiny-llama", max_model_len=512, tokenizer=tokenizer)
     app = create_app(gateway_settings(), memory_bus, [model])
     messages = [{"role": "user", "content": "hi there"}]
-    with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-        r = client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": messages})
+    engine = FakeEngineWorker(memory_bus, pools=("tiny-llama",)).start()  # the model's pool
+    try:
+        with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+            body = {"model": "tiny-llama", "messages": messages}
+            r = client.post("/v1/chat/completions", json=body)
+    finally:
+        engine.stop()
     assert r.status_code == 200, r.text
     [(_, req)] = engine.requests
     assert req.prompt_token_ids == tokenizer.apply_chat_template(messages, tokenize=True)

@@ -59,7 +59,7 @@ async def _started(bus: MemoryEventBus) -> GatewayService:
 def test_publishes_keyed_by_tenant_with_trace_headers() -> None:
     async def main() -> None:
         bus = MemoryEventBus()
-        consumer = bus.consumer("probe", [request_topic(Lane.BATCH)])
+        consumer = bus.consumer("probe", [request_topic(Lane.BATCH, "tiny")])
         service = await _started(bus)
         await service.submit([request(Lane.BATCH)], deadline_ms=None)
         [record] = consumer.poll(1.0)
@@ -283,7 +283,7 @@ def test_a_stream_taken_over_reads_the_other_gateways_replies_from_the_first() -
 
     async def main() -> None:
         bus = MemoryEventBus()
-        requests = bus.consumer("probe-requests", [request_topic(Lane.STANDARD)])
+        requests = bus.consumer("probe-requests", [request_topic(Lane.STANDARD, "tiny")])
         beats = bus.consumer("probe-beats", [HEARTBEATS_TOPIC])
         bus.create_topics([TopicSpec(reply_topic("gw1"))])
         for d in [delta(0, 0, 0, "Hel"), delta(0, 1, 3, "lo")]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.api.errors import ServerOverloaded
-from sluice.api.slo import SloAdmission
+from sluice.api.slo import SloAdmission, SloPools
 from sluice.bus.messages import GenerateRequest, Heartbeat, TokenDelta, WorkerLoad
 from sluice.bus.topics import Lane
 from sluice.tracing import metrics
@@ -27,18 +27,19 @@ def beat(
     rate: float | None = 1000.0,
     interval_ms: int = 1000,
     first_release_s: float = 0.0,
+    pool: str | None = None,
 ) -> Heartbeat:
     load = WorkerLoad(
         queued_tokens=tokens, prefill_tokens_per_s=rate, first_release_s=first_release_s
     )
-    return Heartbeat(sender_id=worker, role="worker", interval_ms=interval_ms, load=load)
+    return Heartbeat(sender_id=worker, role="worker", interval_ms=interval_ms, load=load, pool=pool)
 
 
-def request(request_id: str, lane: Lane, prompt_tokens: int) -> GenerateRequest:
+def request(request_id: str, lane: Lane, prompt_tokens: int, model: str = "m") -> GenerateRequest:
     return GenerateRequest(
         request_id=request_id,
         tenant_id="t1",
-        model="m",
+        model=model,
         lane=lane,
         prompt_token_ids=[1] * prompt_tokens,
         reply_to="gw",
@@ -191,3 +192,27 @@ def test_a_burst_onto_an_idle_fleet_waits_for_this_gateways_own_running_requests
     clock.now += 0.5
     # 1,000 tokens ahead: a slot frees in 1.5 s, then 2,000 tokens at 1,000 tokens/s
     assert slo.predict("standard", 1000) == pytest.approx(1.5 + 2.0)
+
+
+def test_each_pool_is_predicted_from_its_own_workers_beats_alone(clock: Clock) -> None:
+    pools = SloPools(TARGETS, ["busy", "idle"], clock=clock)
+    pools.heard(beat("w1", {"interactive": 100_000}, rate=1000.0, pool="busy"))
+    pools.heard(beat("w2", {}, rate=1000.0, pool="idle"))
+    pools.heard(beat("w3", {"interactive": 100_000}, rate=1000.0, pool=None))  # no pool: none
+    pools.check([request("fine", Lane.INTERACTIVE, 500, model="idle")])
+    with pytest.raises(ServerOverloaded):
+        pools.check([request("late", Lane.INTERACTIVE, 500, model="busy")])
+    pools.check([request("unknown", Lane.INTERACTIVE, 500, model="not-served")])  # no pool
+    assert pools.pools["idle"].predict("interactive", 0) == pytest.approx(0.0)
+
+
+def test_a_pools_published_requests_count_ahead_in_that_pool_only(clock: Clock) -> None:
+    pools = SloPools(TARGETS, ["a", "b"], clock=clock)
+    pools.heard(beat("wa", {}, rate=1000.0, pool="a"))
+    pools.heard(beat("wb", {}, rate=1000.0, pool="b"))
+    pools.published([request(f"r{i}", Lane.INTERACTIVE, 1000, model="a") for i in range(3)])
+    assert pools.pools["a"].predict("interactive", 0) > 0
+    assert pools.pools["b"].predict("interactive", 0) == pytest.approx(0.0)
+    for i in range(3):
+        pools.forget(f"r{i}")
+    assert pools.pools["a"].predict("interactive", 0) == pytest.approx(0.0)

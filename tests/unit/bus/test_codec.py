@@ -19,7 +19,14 @@ from sluice.bus.messages import (
     TopLogprob,
 )
 from sluice.bus.partitioner import murmur2, partition_for
-from sluice.bus.topics import CONTROL_TOPIC, TOKENS_TOPIC, Lane, request_topic
+from sluice.bus.topics import (
+    CONTROL_TOPIC,
+    TOKENS_TOPIC,
+    Lane,
+    parse_request_topic,
+    pool_id,
+    request_topic,
+)
 
 
 def request() -> GenerateRequest:
@@ -39,7 +46,7 @@ def test_messages_round_trip_compactly() -> None:
     msg = request()
     raw = encode(msg)
     assert b" " not in raw.replace(b'"\\n"', b"")
-    assert decode(request_topic(Lane.INTERACTIVE), raw) == msg
+    assert decode(request_topic(Lane.INTERACTIVE, "m"), raw) == msg
     batch = TokenDeltaBatch(
         reply_to="gw-1", deltas=[TokenDelta(request_id="r", seq_no=0, token_ids=[5], text="hi")]
     )
@@ -58,8 +65,18 @@ def test_prompt_logprobs_round_trip_and_are_left_out_when_none() -> None:
 
 
 def test_topics_carry_a_version_suffix() -> None:
-    assert request_topic(Lane.BATCH) == "sluice.requests.batch.v1"
+    assert request_topic(Lane.BATCH, "tiny-llama") == "sluice.requests.tiny-llama.batch.v1"
     assert TOKENS_TOPIC.endswith(".v1")
+
+
+def test_each_model_pool_has_its_own_lanes_named_by_a_topic_safe_pool_id() -> None:
+    assert pool_id("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    dotted, underscored = pool_id("org/model.v2"), pool_id("org_model_v2")
+    assert dotted != underscored and dotted.startswith("org_model_v2-")
+    topic = request_topic(Lane.INTERACTIVE, dotted)
+    assert parse_request_topic(topic) == (dotted, Lane.INTERACTIVE)
+    assert parse_request_topic(TOKENS_TOPIC) is None
+    assert decode(topic, encode(request())) == request()
 
 
 @pytest.mark.parametrize(
@@ -73,7 +90,7 @@ def test_topics_carry_a_version_suffix() -> None:
 )
 def test_bad_bytes_raise_a_permanent_decode_error(raw: bytes, fragment: str) -> None:
     with pytest.raises(DecodeError, match=fragment) as info:
-        decode(request_topic(Lane.STANDARD), raw)
+        decode(request_topic(Lane.STANDARD, "m"), raw)
     assert info.value.retryable is False
 
 

@@ -18,6 +18,7 @@ from sluice.bus.topics import (
     USAGE_TOPIC,
     Lane,
     TopicLayout,
+    pool_id,
     reply_topic,
     request_topic,
 )
@@ -29,6 +30,8 @@ from tests.unit.consumers.sim_engine import RecordingSimBackend
 from tests.waiting import wait_until
 
 GATEWAY = "gw1"
+MODEL = "fake"
+POOL = pool_id(MODEL)  # the pool the workers serve: `make_request`'s model's
 
 
 def make_request(
@@ -43,7 +46,7 @@ def make_request(
     return GenerateRequest(
         request_id=request_id,
         tenant_id=tenant,
-        model="fake",
+        model=MODEL,
         lane=lane,
         prompt_token_ids=prompt if prompt is not None else [1, 2, 3, 4],
         sampling=SamplingSpec(temperature=0.0, max_tokens=max_tokens),
@@ -53,8 +56,10 @@ def make_request(
     )
 
 
-def create_topics(bus: EventBus, request_partitions: int = 2) -> None:
-    layout = TopicLayout(request_partitions=request_partitions)
+def create_topics(
+    bus: EventBus, request_partitions: int = 2, pools: tuple[str, ...] = (POOL,)
+) -> None:
+    layout = TopicLayout(request_partitions=request_partitions, pools=pools)
     bus.create_topics([*layout.specs(), TopicSpec(reply_topic(GATEWAY), 1)])
 
 
@@ -66,6 +71,7 @@ class WorkerThread:
         config: EngineWorkerConfig | None = None,
         progress: ProgressStore | None = None,
         worker_id: str = "w1",
+        pool: str = POOL,
     ) -> None:
         self.backend = backend or RecordingSimBackend()
         self.worker = EngineWorker(
@@ -74,6 +80,7 @@ class WorkerThread:
             config or EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01),
             progress or MemoryProgressStore(),
             worker_id,
+            pool=pool,
         )
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"worker-{worker_id}", daemon=True)
@@ -113,7 +120,8 @@ class Client:
     def send(self, *requests: GenerateRequest) -> None:
         for request in requests:
             key = request.tenant_id.encode()
-            self.bus.publish(request_topic(request.lane), encode(request), key=key).result(10)
+            topic = request_topic(request.lane, pool_id(request.model))
+            self.bus.publish(topic, encode(request), key=key).result(10)
 
     def cancel(
         self, request_id: str | None = None, batch_id: str | None = None, tenant: str = "t1"
@@ -156,7 +164,7 @@ class Client:
         self._usage.close()
 
 
-def committed(bus: MemoryEventBus, group: str = "engine") -> dict[TopicPartition, int]:
+def committed(bus: MemoryEventBus, group: str = f"engine.{POOL}") -> dict[TopicPartition, int]:
     """The group's committed offsets (read from the fake broker)."""
     with bus._cond:
         return dict(bus._groups[group].committed)

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from sluice.api.prepare import RequestLimits
 from sluice.bus.memory import MemoryEventBus
-from sluice.bus.topics import Lane, TopicLayout, request_topic
+from sluice.bus.topics import Lane, TopicLayout, pool_id, request_topic
 from sluice.consumers.batches.collector import BatchCollector
 from sluice.consumers.batches.lines import line_call_id, parse_file, parse_request_id
 from sluice.consumers.batches.runner import BatchConfig, BatchRunner, StepLease
@@ -43,7 +43,9 @@ def chat(custom_id: str, max_tokens: int = 5, **extra: object) -> str:
 @pytest.fixture
 def bus() -> Iterator[MemoryEventBus]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=(MODEL.name,)).specs()
+    )
     yield bus
     bus.close()
 
@@ -304,7 +306,7 @@ def test_each_line_is_a_trace_rooted_in_its_send_span(
 ) -> None:
     """The engine-side spans of a line's attempts (parented to the context in its
     records' headers) join that line's trace; each line's trace is its own."""
-    topic = request_topic(Lane.BATCH)
+    topic = request_topic(Lane.BATCH, pool_id(MODEL.name))
     parents: list[str] = []
     publish = bus.publish
 

@@ -65,7 +65,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     admin.set_price(db, MODEL.name, input_usd="1", cached_input_usd="1", output_usd="1")
     tenant = admin.create_tenant(db, "acme", monthly_budget_usd=TENANT_BUDGET_USD)
     bus = MemoryEventBus()
-    create_topics(bus)
+    create_topics(bus, pools=(MODEL.name,))
     admission = AdmissionService(
         KeyAuthenticator(db), MemoryQuotaStore(), PriceCache(PriceBook(db))
     )
@@ -74,7 +74,9 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     runner.budget = BatchBudget(admission)
     loops = [billing_loop(bus, UsageLedger(db)), quotas_loop(bus, admission.settler)]
     threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
-    worker = WorkerThread(bus, RecordingSimBackend(step_s=0.01, max_running=4)).start()
+    worker = WorkerThread(
+        bus, RecordingSimBackend(step_s=0.01, max_running=4), pool=MODEL.name
+    ).start()
     for thread in threads:
         thread.start()
     collector = BatchCollector(

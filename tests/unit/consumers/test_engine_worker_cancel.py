@@ -9,6 +9,7 @@ from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import Lane, request_topic
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from tests.unit.consumers.engine_harness import (
+    POOL,
     Client,
     WorkerThread,
     committed,
@@ -79,7 +80,7 @@ def test_cancel_buffered_running_and_by_batch() -> None:
     assert len(client.usage) == len(usage) == 5
     long = client.view.streams["long"]
     assert usage["long"].completion_tokens == len(long.token_ids) < 400
-    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE), 0)] == 2
+    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE, POOL), 0)] == 2
 
 
 def test_deadlines_expire_waiting_requests_unrun_and_running_ones_with_their_tokens() -> None:
@@ -111,7 +112,7 @@ def test_drain_finishes_or_aborts_in_flight_work_and_leaves_the_buffer_to_the_gr
     client.wait_finished(["inflight", "filler"])
     assert client.view.streams["inflight"].finish_reason == "abort"
     assert "buffered" not in client.view.streams
-    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE), 0)] == 2
+    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE, POOL), 0)] == 2
     successor = WorkerThread(bus, RecordingSimBackend(), FAST).start()
     client.wait_finished(["buffered"])
     successor.stop()

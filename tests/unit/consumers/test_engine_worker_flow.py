@@ -9,6 +9,7 @@ from sluice.bus.memory import MemoryEventBus
 from sluice.bus.topics import Lane, request_topic
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from tests.unit.consumers.engine_harness import (
+    POOL,
     Client,
     WorkerThread,
     committed,
@@ -41,7 +42,7 @@ def test_one_message_per_step_per_reply_target_and_commits_reach_the_end() -> No
     assert client.view.num_batches <= 12  # ~one per step (10 steps), not one per token
     for r in requests:
         assert client.view.streams[r.request_id].token_ids == sim_reply(r.prompt_token_ids, 10)[0]
-    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE), 0)] == 8
+    assert committed(bus)[TopicPartition(request_topic(Lane.INTERACTIVE, POOL), 0)] == 8
 
 
 def test_full_engine_pauses_partitions_and_commits_stay_below_unfinished_work() -> None:
@@ -53,7 +54,7 @@ def test_full_engine_pauses_partitions_and_commits_stay_below_unfinished_work() 
     backend = RecordingSimBackend(step_s=0.002, max_running=2)
     cfg = config(max_engine_waiting=2, max_buffered_per_partition=4, max_records=4)
     worker = WorkerThread(bus, backend, cfg).start()
-    tp = TopicPartition(request_topic(Lane.INTERACTIVE), 0)
+    tp = TopicPartition(request_topic(Lane.INTERACTIVE, POOL), 0)
     max_held, paused_seen = 0, False
     deadline = time.monotonic() + 20
     while len(client.usage) < 40:

@@ -5,13 +5,16 @@ in kustomize.py (checked against `kubectl kustomize` where kubectl is installed)
 Kubernetes object is validated against the Kubernetes v1.37 schemas kept in
 deploy/schemas/ (unknown fields rejected, as `kubectl apply --validate=strict` does), the
 ScaledObject against KEDA v2.20.2's CRD schema, each container's command line against the
-`sluice` CLI and each SLUICE_* variable against the settings of its process.
+`sluice` CLI and each SLUICE_* variable against the settings of its process. Every model
+the gateway serves has an engine Deployment of its pool and a ScaledObject on that pool's
+lanes and group.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sluice.bus.topics import REQUEST_TOPICS, Lane, request_topic
-from sluice.settings import BusSettings, EngineWorkerSettings
+from sluice.bus.topics import Lane, pool_id, request_topic, request_topics
+from sluice.settings import BusSettings, EngineWorkerSettings, GatewaySettings, load_settings
 from sluice.up import ENGINE_STOP_AFTER_DRAIN_S
 from tests.unit.deploy.kustomize import Manifest, render
 from tests.unit.deploy.sluice_checks import (
@@ -132,6 +135,25 @@ def _command(container: dict[str, Any]) -> tuple[str, ...]:
     return parse_command([*argv, *container.get("args", [])])
 
 
+def _engines(manifests: list[Manifest]) -> dict[str, Manifest]:
+    """The engine worker Deployments: one per model pool."""
+    return {
+        name: d
+        for name, d in _by_kind(manifests, "Deployment").items()
+        if _command(_container(d)) == ("worker", "engine")
+    }
+
+
+def _settings(cls: Any, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The settings a process loads from its container's variables alone."""
+    with monkeypatch.context() as m:
+        for key in [k for k in os.environ if k.startswith("SLUICE_")]:
+            m.delenv(key)
+        for key, value in env.items():
+            m.setenv(key, value)
+        return load_settings(cls)
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.name)
 def test_renderer_matches_kubectl_kustomize(path: Path) -> None:
@@ -176,10 +198,12 @@ def test_every_command_and_variable_is_real(
         container = _container(workload)
         commands[name] = command = _command(container)
         check_settings_env(command, _environment(overlay, container), monkeypatch)
+    engines = {name: ("worker", "engine") for name in _engines(overlay)}
+    assert "sluice-engine" in engines
     assert commands == {
+        **engines,
         "sluice-migrate": ("migrate",),
         "sluice-gateway": ("gateway",),
-        "sluice-engine": ("worker", "engine"),
         "sluice-billing": ("worker", "billing"),
         "sluice-quotas": ("worker", "quotas"),
         "sluice-tracing": ("worker", "tracing"),
@@ -203,19 +227,19 @@ def test_probes_ask_what_each_process_serves(overlay: list[Manifest]) -> None:
             "metrics": metrics_port
         }, name
         # an engine worker answers its own probes; the others' metrics answer while they run
-        engine = name == "sluice-engine"
+        engine = name in _engines(overlay)
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
             path = path if engine else "/metrics"
             assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, name
 
 
 def test_engine_workers_get_their_drain_before_sigkill(overlay: list[Manifest]) -> None:
-    engine = _by_kind(overlay, "Deployment")["sluice-engine"]
-    drain_s = float(_environment(overlay, _container(engine))["SLUICE_DRAIN_TIMEOUT_S"])
-    assert drain_s == EngineWorkerSettings.model_fields["drain_timeout_s"].default
-    grace_s = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace_s >= drain_s + ENGINE_STOP_AFTER_DRAIN_S
-    assert engine["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    for engine in _engines(overlay).values():
+        drain_s = float(_environment(overlay, _container(engine))["SLUICE_DRAIN_TIMEOUT_S"])
+        assert drain_s == EngineWorkerSettings.model_fields["drain_timeout_s"].default
+        grace_s = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace_s >= drain_s + ENGINE_STOP_AFTER_DRAIN_S
+        assert engine["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
 
 def test_gateway_leaves_the_service_before_it_stops(overlay: list[Manifest]) -> None:
@@ -237,29 +261,65 @@ def test_budgets_and_autoscalers_point_at_real_deployments(overlay: list[Manifes
     # each gateway's share of a limit while Redis is down assumes the fewest replicas
     replicas = _environment(overlay, _container(deployments["sluice-gateway"]))
     assert int(replicas["SLUICE_GATEWAY_REPLICAS"]) == hpa["spec"]["minReplicas"]
-    scaled = _by_kind(overlay, "ScaledObject")["sluice-engine"]
-    assert scaled["spec"]["scaleTargetRef"]["name"] in deployments
+    for scaled in _by_kind(overlay, "ScaledObject").values():
+        assert scaled["spec"]["scaleTargetRef"]["name"] in deployments
+    # two Deployments selecting the same pods would fight over them
+    selectors = [
+        tuple(sorted(d["spec"]["selector"]["matchLabels"].items())) for d in deployments.values()
+    ]
+    assert len(selectors) == len(set(selectors))
     beat = deployments["sluice-batches-beat"]["spec"]
     assert beat["replicas"] == 1 and beat["strategy"]["type"] == "Recreate"  # exactly one
 
 
-def test_engine_pool_scales_on_each_lanes_lag_interactive_first(overlay: list[Manifest]) -> None:
-    scaled = _by_kind(overlay, "ScaledObject")["sluice-engine"]
-    engine = _environment(overlay, _container(_by_kind(overlay, "Deployment")["sluice-engine"]))
-    triggers = {t["metadata"]["topic"]: t for t in scaled["spec"]["triggers"]}
-    assert sorted(triggers) == sorted(REQUEST_TOPICS)
-    for topic, trigger in triggers.items():
-        metadata = trigger["metadata"]
-        assert trigger["type"] == "kafka", topic
-        assert set(metadata) <= KAFKA_SCALER_PARAMETERS, topic
-        assert metadata["consumerGroup"] == engine["SLUICE_ENGINE_GROUP_ID"], topic
-        assert metadata["bootstrapServersFromEnv"] in engine, topic
-    assert engine["SLUICE_ENGINE_GROUP_ID"] == EngineWorkerSettings().engine_group_id
-    lag = {lane: int(triggers[request_topic(lane)]["metadata"]["lagThreshold"]) for lane in Lane}
-    assert lag[Lane.INTERACTIVE] < lag[Lane.STANDARD] < lag[Lane.BATCH]
-    # a worker beyond a lane's partition count would get no partition of it
-    partitions = BusSettings.model_fields["request_partitions"].default
-    assert scaled["spec"]["maxReplicaCount"] <= partitions
+def test_each_pool_scales_on_its_own_lanes_lag_interactive_first(
+    overlay: list[Manifest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployments = _by_kind(overlay, "Deployment")
+    served: dict[str, str] = {}  # pool → the engine Deployment a ScaledObject sizes
+    for name, scaled in _by_kind(overlay, "ScaledObject").items():
+        target = deployments[scaled["spec"]["scaleTargetRef"]["name"]]
+        engine = _environment(overlay, _container(target))
+        settings = _settings(EngineWorkerSettings, engine, monkeypatch)
+        pool = pool_id(settings.model_name)
+        assert pool not in served, f"{name}: a second ScaledObject of pool {pool}"
+        served[pool] = target["metadata"]["name"]
+        triggers = {t["metadata"]["topic"]: t for t in scaled["spec"]["triggers"]}
+        assert sorted(triggers) == sorted(request_topics(pool)), name
+        for topic, trigger in triggers.items():
+            metadata = trigger["metadata"]
+            assert trigger["type"] == "kafka", topic
+            assert set(metadata) <= KAFKA_SCALER_PARAMETERS, topic
+            # the group the pool's workers read in (`EngineWorker.group_id`)
+            assert metadata["consumerGroup"] == f"{settings.engine_group_id}.{pool}", topic
+            assert metadata["bootstrapServersFromEnv"] in engine, topic
+            # no committed offsets before a pool's first worker: what waits is lag
+            assert metadata["offsetResetPolicy"] == "earliest", topic
+        lag = {lane: int(triggers[request_topic(lane, pool)]["metadata"]["lagThreshold"])
+               for lane in Lane}  # fmt: skip
+        assert lag[Lane.INTERACTIVE] < lag[Lane.STANDARD] < lag[Lane.BATCH], name
+        # a worker beyond a lane's partition count would get no partition of it
+        partitions = BusSettings.model_fields["request_partitions"].default
+        assert scaled["spec"]["maxReplicaCount"] <= partitions, name
+        assert scaled["spec"]["minReplicaCount"] >= 0, name
+    assert served["tiny-llama"] == "sluice-engine"
+    # every model the gateway serves has its scaled pool, and every pool a model served
+    gateway = _environment(overlay, _container(deployments["sluice-gateway"]))
+    models = _settings(GatewaySettings, gateway, monkeypatch)
+    assert sorted(served) == sorted({pool_id(m) for m in [models.model_name, *models.models]})
+    assert set(served.values()) == set(_engines(overlay))
+
+
+def test_the_second_model_overlay_serves_its_own_pool_from_zero() -> None:
+    overlay = render(ROOT / "deploy/k8s/overlays/second-model")
+    scaled = _by_kind(overlay, "ScaledObject")["sluice-engine-smollm2"]
+    assert scaled["spec"]["minReplicaCount"] == 0
+    topics = {t["metadata"]["topic"] for t in scaled["spec"]["triggers"]}
+    assert topics == set(request_topics("smollm2-135m-instruct"))
+    groups = {t["metadata"]["consumerGroup"] for t in scaled["spec"]["triggers"]}
+    assert groups == {"engine.smollm2-135m-instruct"}
+    gateway = _container(_by_kind(overlay, "Deployment")["sluice-gateway"])
+    assert {"name": "SLUICE_MODELS", "value": "smollm2-135m-instruct"} in gateway["env"]
 
 
 def test_secrets_come_from_the_overlay_or_beside_it(overlay: list[Manifest]) -> None:

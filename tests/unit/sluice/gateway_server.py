@@ -31,7 +31,9 @@ def served_gateway(
     from sluice.api.app import create_app
 
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     engine = FakeEngineWorker(bus, reply=reply, step_s=step_s).start()
     settings = gateway_settings(port=free_port(), **overrides)
     model = served_model("tiny", max_model_len=max_model_len)

@@ -42,7 +42,9 @@ def no_services(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture
 def bus() -> Iterator[MemoryEventBus]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     engine = FakeEngineWorker(bus).start()
     yield bus
     engine.stop()

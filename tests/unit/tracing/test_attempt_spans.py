@@ -50,7 +50,7 @@ def record(**fields: object) -> TelemetryRecord:
 
 def send_headers(operation: str | None = "chat") -> tuple[trace.Span, list[tuple[str, bytes]]]:
     """A stand-in for the gateway's send span, its context (and operation) in headers."""
-    span = tracer().start_span("send sluice.requests.interactive.v1", kind=SpanKind.PRODUCER)
+    span = tracer().start_span("send sluice.requests.tiny.interactive.v1", kind=SpanKind.PRODUCER)
     ctx = trace.set_span_in_context(span)
     if operation is not None:
         ctx = baggage.set_baggage("gen_ai.operation.name", operation, ctx)
@@ -69,7 +69,7 @@ def test_one_attempt_is_a_process_subtree_under_the_send_span(
     send, headers = send_headers()
     emit_attempt_spans(record(), headers)
     done = spans.get_finished_spans()
-    process = one(done, "process sluice.requests.interactive.v1")
+    process = one(done, "process sluice.requests.tiny.interactive.v1")
     chat = one(done, "chat tiny")
 
     assert len(engine_side(spans)) == 2  # the phases are events, not spans of their own
@@ -92,7 +92,7 @@ def test_one_attempt_is_a_process_subtree_under_the_send_span(
         "messaging.system": "kafka",
         "messaging.operation.name": "process",
         "messaging.operation.type": "process",
-        "messaging.destination.name": "sluice.requests.interactive.v1",
+        "messaging.destination.name": "sluice.requests.tiny.interactive.v1",
         "messaging.kafka.message.key": "acme",
         "sluice.request_id": "req_abc",
         "sluice.tenant_id": "acme",
@@ -135,7 +135,7 @@ def test_an_attempt_answered_before_it_ran_has_no_inference_span(
     timings = Timings(queued_ms=T0, received_ms=T0 + 2, finished_ms=T0 + 5)
     emit_attempt_spans(record(timings=timings, finish_reason="abort"), headers)
     [process] = engine_side(spans)
-    assert process.name == "process sluice.requests.interactive.v1"
+    assert process.name == "process sluice.requests.tiny.interactive.v1"
     assert [e.name for e in process.events] == ["received"]
     assert (process.attributes or {})["sluice.latency.queue"] == 0.002
     assert "sluice.latency.admission" not in (process.attributes or {})
@@ -149,7 +149,10 @@ def test_an_estimated_attempt_has_a_process_and_inference_span_only(
     estimated = record(timings=timings, estimated=True, finish_reason="error", attempt=0)
     emit_attempt_spans(estimated, headers)
     done = engine_side(spans)
-    assert sorted(s.name for s in done) == ["chat tiny", "process sluice.requests.interactive.v1"]
+    assert sorted(s.name for s in done) == [
+        "chat tiny",
+        "process sluice.requests.tiny.interactive.v1",
+    ]
     chat = one(done, "chat tiny")
     assert (chat.attributes or {})["sluice.estimated"] is True
     assert not chat.events and not any("latency" in k for k in chat.attributes or {})
@@ -158,7 +161,7 @@ def test_an_estimated_attempt_has_a_process_and_inference_span_only(
 
 def test_no_trace_context_starts_a_trace_of_its_own(spans: InMemorySpanExporter) -> None:
     emit_attempt_spans(record(), [])
-    process = one(spans.get_finished_spans(), "process sluice.requests.interactive.v1")
+    process = one(spans.get_finished_spans(), "process sluice.requests.tiny.interactive.v1")
     assert process.parent is None
 
 

@@ -24,7 +24,7 @@ from sluice.bus.base import TopicPartition, TopicSpec
 from sluice.bus.errors import DecodeError
 from sluice.bus.memory import MemoryEventBus
 from sluice.bus.messages import Message, Timings, UsageRecord
-from sluice.bus.topics import Lane, TopicLayout
+from sluice.bus.topics import Lane, TopicLayout, pool_id
 from sluice.consumers.engine_worker import EngineWorkerConfig
 from sluice.consumers.loop import ConsumeLoop, LoopConfig
 from sluice.storage.db import Database, embedded_url
@@ -53,7 +53,9 @@ def sample(name: str, labels: Labels | None = None, text: str | None = None) -> 
 
 def test_metrics_route_serves_prometheus_text_outside_the_schema() -> None:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=2, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=2, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     engine = FakeEngineWorker(bus).start()
     try:
         app = create_app(gateway_settings(), bus, [served_model("tiny")])
@@ -89,9 +91,10 @@ def test_engine_worker_counts_equal_the_requests() -> None:
     observation each and one ITL observation per later token; the gauges are live."""
     model = f"m-{uuid.uuid4().hex[:8]}"  # a label no other test touches
     bus = MemoryEventBus()
-    create_topics(bus)
+    create_topics(bus, pools=(pool_id(model),))
     backend = RecordingSimBackend(step_s=0.002)
-    worker = WorkerThread(bus, backend, EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01))
+    config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01)
+    worker = WorkerThread(bus, backend, config, pool=pool_id(model))
     worker.worker.model_name = model
     worker.start()
     client = Client(bus)

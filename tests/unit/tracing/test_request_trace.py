@@ -28,13 +28,13 @@ from tests.unit.tracing.memory_spans import by_name, one, parent_of, span_id, tr
 from tests.waiting import wait_until
 
 API_KEY = "sk-test-key"
-TOPIC = "sluice.requests.standard.v1"
+TOPIC = "sluice.requests.tiny.standard.v1"
 
 
 @pytest.fixture
 def bus() -> Iterator[MemoryEventBus]:
     bus = MemoryEventBus()
-    create_topics(bus)
+    create_topics(bus, pools=("tiny",))
     yield bus
     bus.close()
 
@@ -51,7 +51,7 @@ def tracing(bus: MemoryEventBus) -> Iterator[ConsumeLoop]:
 
 @pytest.fixture
 def client(bus: MemoryEventBus, tracing: ConsumeLoop) -> Iterator[TestClient]:
-    worker = WorkerThread(bus).start()
+    worker = WorkerThread(bus, pool="tiny").start()
     settings = GatewaySettings(api_keys=[API_KEY], request_timeout_s=30.0)  # type: ignore[call-arg]
     app = create_app(settings, bus, [served_model("tiny", max_model_len=256)])
     with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as c:

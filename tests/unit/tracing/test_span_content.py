@@ -22,7 +22,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}]}
 
 def client_for(trace_content: bool) -> Iterator[TestClient]:
     bus = MemoryEventBus()
-    bus.create_topics(TopicLayout(request_partitions=1, tokens_partitions=1).specs())
+    bus.create_topics(
+        TopicLayout(request_partitions=1, tokens_partitions=1, pools=("tiny",)).specs()
+    )
     engine = FakeEngineWorker(bus).start()
     settings = GatewaySettings(api_keys=[API_KEY], trace_content=trace_content)  # type: ignore[call-arg]
     app = create_app(settings, bus, [served_model("tiny")])
