@@ -231,6 +231,23 @@ def bench_overload(
     emit(run(quick=quick), render, as_json)
 
 
+@bench_app.command("coldstart")
+def bench_coldstart(
+    as_json: JsonFlag = False,
+    backend: Annotated[
+        list[str] | None, typer.Option(help="sim, torch (repeatable).", show_default="both")
+    ] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Cold starts per backend.")] = 3,
+    waiting: Annotated[int, typer.Option(min=1, help="Requests waiting at zero.")] = 4,
+) -> None:
+    """Time to first token from a pool at zero: requests wait in its topics, an engine
+    worker starts (sim, then torch on $SLUICE_MODEL), each request's first token; beside
+    the same requests to the warm worker. Runs a Tansu and `sluice gateway` itself."""
+    from benchmarks.coldstart import render, run
+
+    emit(run(tuple(backend or ("sim", "torch")), rounds, waiting), render, as_json)
+
+
 @bench_app.command("observability")
 def bench_observability(
     as_json: JsonFlag = False,
