@@ -10,7 +10,8 @@ shutdown; it does not close the admission service (its owner does).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -22,20 +23,32 @@ from sluice.api.errors import install_error_handlers
 from sluice.api.middleware import GatewayMiddleware
 from sluice.api.openapi import install_docs, install_openapi
 from sluice.api.prepare import RequestLimits
-from sluice.api.routes import admin, chat, completions, dashboard, files, health, responses, usage
+from sluice.api.routes import (
+    admin,
+    chat,
+    completions,
+    dashboard,
+    files,
+    health,
+    lora,
+    responses,
+    usage,
+)
 from sluice.api.routes import batches as batch_routes
 from sluice.api.routes import metrics as metrics_routes
 from sluice.api.routes import models as model_routes
 from sluice.api.routes.batches import BatchControl
-from sluice.api.served import ModelCatalog, ServedModel
+from sluice.api.served import LoraModule, ModelCatalog, ServedModel
 from sluice.api.server_span import ServerSpanMiddleware
 from sluice.api.service import GatewayService
-from sluice.api.slo import SloAdmission
+from sluice.api.slo import SloPools
 from sluice.api.stored_responses import ResponseKeeper
 from sluice.api.tenancy import GatewayAdmission, TenantAuthenticator
 from sluice.billing.admission import AdmissionService
 from sluice.bus.base import EventBus
 from sluice.bus.topics import Lane
+from sluice.storage.adapters import AdapterStore
+from sluice.storage.db import Database
 from sluice.storage.responses import ResponseStore
 
 
@@ -85,6 +98,12 @@ class GatewayConfig(Protocol):
     @property
     def slo_admission(self) -> bool: ...
     @property
+    def model_aliases(self) -> Mapping[str, str]: ...
+    @property
+    def lora_modules(self) -> Sequence[str]: ...
+    @property
+    def adapter_refresh_s(self) -> float: ...
+    @property
     def ttft_target_interactive_s(self) -> float: ...
     @property
     def ttft_target_standard_s(self) -> float: ...
@@ -99,6 +118,20 @@ def request_limits(settings: GatewayConfig) -> RequestLimits:
         max_n=settings.max_n,
         max_choices=settings.max_choices,
         max_logprobs=settings.max_logprobs,
+    )
+
+
+def model_catalog(
+    settings: GatewayConfig, models: Sequence[ServedModel], db: Database | None = None
+) -> ModelCatalog:
+    """The served models, their aliases and LoRA adapters (`--lora`, and with the tenant
+    store's `db` those loaded at run time), for the routes and for batch lines alike."""
+    return ModelCatalog(
+        models,
+        settings.model_aliases,
+        [LoraModule.parse(m) for m in settings.lora_modules],
+        AdapterStore(db) if db is not None else None,
+        settings.adapter_refresh_s,
     )
 
 
@@ -128,12 +161,14 @@ def create_app(
         heartbeat_s=settings.heartbeat_s,
         resume_window_s=settings.stream_resume_window_s,
     )
+    catalog = model_catalog(settings, models, admission.auth.db if admission else None)
     if settings.slo_admission:
-        service.slo = SloAdmission(
+        service.slo = SloPools(
             {
                 Lane.INTERACTIVE.value: settings.ttft_target_interactive_s,
                 Lane.STANDARD.value: settings.ttft_target_standard_s,
-            }
+            },
+            catalog.pools,
         )
     limits = request_limits(settings)
     # stored responses live beside the tenants: every gateway on that database reads them
@@ -147,9 +182,11 @@ def create_app(
         await service.start()
         if keeper is not None:
             await keeper.start()
+        refresher = asyncio.create_task(catalog.refresh_forever(), name="adapter-registry")
         try:
             yield
         finally:
+            refresher.cancel()
             if keeper is not None:
                 await keeper.stop()
             await service.stop()
@@ -170,7 +207,7 @@ def create_app(
         authenticator = authenticator or TenantAuthenticator(admission, static)
     app.state.gateway = Gateway(
         service=service,
-        models=ModelCatalog(models),
+        models=catalog,
         limits=limits,
         sse_ping_s=settings.sse_ping_s,
         admission=GatewayAdmission(admission, service) if admission is not None else None,
@@ -185,7 +222,7 @@ def create_app(
     app.state.responses = keeper
     install_error_handlers(app)
     v1 = (model_routes, chat, completions, responses, usage, files, batch_routes)
-    for module in (health, *v1, admin, dashboard):
+    for module in (health, *v1, admin, lora, dashboard):
         app.include_router(module.router)
     app.include_router(metrics_routes.router)  # /metrics, outside the API schema
     app.add_middleware(

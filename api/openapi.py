@@ -143,10 +143,15 @@ class ResponseStreamEvent(_Described):
 
 
 class Model(_Described):
+    """A served model, alias or LoRA adapter, as vLLM's model cards: `root` an alias's
+    target or an adapter's directory, `parent` an adapter's base model."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    parent: str | None = None
     max_model_len: int
 
 
@@ -346,6 +351,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/v1/usage"): Operation(UsageReport, ADMIN_READ_ERRORS, security="adminKey"),
     ("PUT", "/admin/v1/prices"): Operation(Record, ADMIN_WRITE_ERRORS, security="adminKey"),
     ("GET", "/admin/v1/prices"): Operation(ObjectList, ADMIN_READ_ERRORS, security="adminKey"),
+    ("PUT", "/admin/v1/tenants/{tenant}/models"): Operation(
+        Record, ADMIN_WRITE_ERRORS, security="adminKey"
+    ),
+    ("GET", "/admin/v1/adapters"): Operation(ObjectList, ADMIN_READ_ERRORS, security="adminKey"),
+    # vLLM's shape: a line of plain text on success
+    ("POST", "/v1/load_lora_adapter"): Operation(None, ADMIN_WRITE_ERRORS, security="adminKey"),
+    ("POST", "/v1/unload_lora_adapter"): Operation(None, ADMIN_WRITE_ERRORS, security="adminKey"),
 }
 
 SECURITY_SCHEMES = {

@@ -9,9 +9,13 @@ exit 2, NotFound → 404, Conflict → 409, StoreUnavailable → 503 / exit 1).
 from __future__ import annotations
 
 import datetime as dt
+import json
+from collections.abc import Sequence
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
+from sluice.storage.adapters import AdapterInfo, AdapterStore
 from sluice.storage.db import Database
 from sluice.storage.errors import InvalidInput
 from sluice.storage.keys import KeyInfo, KeyRepository
@@ -44,7 +48,18 @@ def tenant_row(t: TenantInfo) -> Row:
         "tpm": t.limits.tpm,
         "max_concurrency": t.limits.max_concurrency,
         "monthly_budget_usd": _usd(t.limits.monthly_budget_micros),
+        "allowed_models": None if t.allowed_models is None else list(t.allowed_models),
         "created_at": _iso(t.created_at),
+    }
+
+
+def adapter_row(a: AdapterInfo) -> Row:
+    return {
+        "name": a.name,
+        "base_model": a.base_model,
+        "path": a.path,
+        "tenant_id": a.owner_tenant_id,
+        "created_at": _iso(a.created_at),
     }
 
 
@@ -79,16 +94,26 @@ def create_tenant(
     tpm: int | None = None,
     max_concurrency: int | None = None,
     monthly_budget_usd: str | None = None,
+    allowed_models: Sequence[str] | None = None,
 ) -> Row:
-    """A tenant with its own plan and a first key named "default" (plaintext shown once)."""
+    """A tenant with its own plan and a first key named "default" (plaintext shown once);
+    `allowed_models` None: every model."""
     budget = usd_to_micros(monthly_budget_usd) if monthly_budget_usd is not None else None
-    tenant = TenantRepository(db).create(name, PlanLimits(rpm, tpm, max_concurrency, budget))
+    limits = PlanLimits(rpm, tpm, max_concurrency, budget)
+    tenant = TenantRepository(db).create(name, limits, allowed_models)
     key = KeyRepository(db).create(tenant.tenant_id, name="default")
     return {**tenant_row(tenant), "key_id": key.key_id, "api_key": key.api_key}
 
 
 def list_tenants(db: Database) -> list[Row]:
     return [tenant_row(t) for t in TenantRepository(db).list()]
+
+
+def set_allowed_models(db: Database, tenant: str, models: Sequence[str] | None) -> Row:
+    """The served names (models, aliases, adapters) the tenant's keys may use; None: every
+    one. Any other answers 404 as if it did not exist (the tenant's private adapters are
+    always its own). Gateways apply it within their auth cache's TTL (5 s)."""
+    return tenant_row(TenantRepository(db).set_allowed_models(tenant, models))
 
 
 def has_tenants(db: Database) -> bool:
@@ -161,3 +186,43 @@ def set_price(
 
 def list_prices(db: Database) -> list[Row]:
     return [price_row(p) for p in PriceBook(db).all().values()]
+
+
+def check_adapter_dir(path: str) -> str:
+    """The absolute path of a PEFT LoRA directory, or InvalidInput naming what is wrong: a
+    readable `adapter_config.json` (a LoRA's, when it says) beside `.safetensors` weights.
+    The gateway checks what the workers will load: the path must be the same on each."""
+    directory = Path(path).expanduser()
+    config = directory / "adapter_config.json"
+    try:
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidInput(f"no adapter_config.json in {path!r}: not a PEFT adapter") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidInput(f"cannot read {config}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise InvalidInput(f"{config} is not a JSON object")
+    if loaded.get("peft_type", "LORA") != "LORA":
+        raise InvalidInput(f"{config}: peft_type {loaded['peft_type']!r} is not LORA")
+    if not any(directory.glob("*.safetensors")):
+        raise InvalidInput(f"no .safetensors weights in {path!r} (adapter_model.safetensors)")
+    return str(directory.resolve())
+
+
+def load_adapter(
+    db: Database, name: str, path: str, base_model: str, tenant: str | None = None
+) -> Row:
+    """Register a LoRA adapter (its directory checked first); `tenant` (name or id): private
+    to it, else public. That `base_model` is served and `name` free is the gateway's check."""
+    info = AdapterStore(db).register(name, base_model, check_adapter_dir(path), tenant)
+    return adapter_row(info)
+
+
+def unload_adapter(db: Database, name: str) -> Row:
+    return adapter_row(AdapterStore(db).remove(name))
+
+
+def list_adapters(db: Database, tenant: str | None = None) -> list[Row]:
+    """Every adapter, or those a tenant (name or id) sees: the public ones and its own."""
+    tenant_id = None if tenant is None else TenantRepository(db).get(tenant).tenant_id
+    return [adapter_row(a) for a in AdapterStore(db).list(tenant_id)]

@@ -1,4 +1,5 @@
-"""CLI for tenancy and billing: `migrate`, `tenants`, `keys`, `billing report`, `prices`.
+"""CLI for tenancy and billing: `migrate`, `tenants` (limits, allowed models), `keys`,
+`billing report`, `prices`.
 
 `register(app)` adds them to the `sluice` app. Without SLUICE_DATABASE_URL they use the
 SQLite file of the data dir (`--data-dir`, else SLUICE_DATA_DIR), created owner-only and
@@ -42,6 +43,16 @@ prices_app = typer.Typer(
 
 _DRIVER_MODULES = {"sqlalchemy", "psycopg", "sqlite3", "alembic"}
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+Allow = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow",
+        metavar="MODEL",
+        help="A served name (model, alias or LoRA adapter) its keys may use; repeat for"
+        " several; others answer 404 as if they did not exist.",
+        show_default="every model",
+    ),
+]
 _NO_LIMIT = "no limit"  # a plan limit left unset is not enforced
 
 
@@ -118,13 +129,15 @@ def tenants_create(
     monthly_budget: Annotated[
         str | None, typer.Option(help="Monthly budget in USD, e.g. 25.00.", show_default=_NO_LIMIT)
     ] = None,
+    allow: Allow = None,
     as_json: JsonFlag = False,
     data_dir: DataDir = None,
 ) -> None:
     """Create a tenant with its limits and a first API key (the key is shown once)."""
     with _database(data_dir) as db:
         row = admin.create_tenant(db, name, rpm=rpm, tpm=tpm, max_concurrency=max_concurrency,
-                                  monthly_budget_usd=monthly_budget)  # fmt: skip
+                                  monthly_budget_usd=monthly_budget,
+                                  allowed_models=allow)  # fmt: skip
     if as_json:
         _emit({k: row[k] for k in ("tenant_id", "name", "key_id", "api_key")})
         return
@@ -144,8 +157,35 @@ def tenants_list(as_json: JsonFlag = False, data_dir: DataDir = None) -> None:
         typer.echo(
             f"{r['tenant_id']}  {r['name']:<20} rpm={r['rpm'] or '-'} tpm={r['tpm'] or '-'} "
             f"concurrency={r['max_concurrency'] or '-'} "
-            f"budget_usd={r['monthly_budget_usd'] or '-'}"
+            f"budget_usd={r['monthly_budget_usd'] or '-'} models={_models(r['allowed_models'])}"
         )
+
+
+def _models(allowed: list[str] | None) -> str:
+    return "all" if allowed is None else ",".join(allowed) or "none"
+
+
+@tenants_app.command("models")
+def tenants_models(
+    tenant: Annotated[str, typer.Argument(help="Tenant name or id.")],
+    allow: Allow = None,
+    every: Annotated[
+        bool, typer.Option("--all", help="Every model the deployment serves (the default).")
+    ] = False,
+    as_json: JsonFlag = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Set the models a tenant may use (--allow, repeated), or every model (--all); its own
+    private LoRA adapters are always its own. Gateways apply it within 5 s."""
+    if every == bool(allow):
+        raise _fail("give --allow MODEL (repeatable) or --all", 2)
+    with _database(data_dir) as db:
+        row = admin.set_allowed_models(db, tenant, None if every else allow)
+    if as_json:
+        _emit(row)
+        return
+    models = _models(row["allowed_models"])
+    typer.echo(f"tenant {row['name']} ({row['tenant_id']}): models={models}")
 
 
 @keys_app.command("create")

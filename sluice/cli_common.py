@@ -37,6 +37,7 @@ FLAGS = {
     "served_model_name": "--served-model-name",
     "dtype": "--dtype",
     "data_dir": "--data-dir",
+    "lora_modules": "--lora",
 }
 
 

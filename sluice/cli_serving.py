@@ -119,6 +119,18 @@ UpstreamUrl = Annotated[
     ),
 ]
 
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="NAME=PATH[@BASE]",
+        help="A LoRA adapter to serve as model NAME: the PEFT directory PATH, on BASE (a"
+        " served model; default the first); repeat for several; overrides"
+        " $SLUICE_LORA_MODULES.",
+        show_default=False,
+    ),
+]
+
 
 def _model_overrides(
     model: str | None, served_model_name: str | None, dtype: str | None, data_dir: Path | None
@@ -300,6 +312,7 @@ def serve(
     api_key: ApiKey = None,
     backend: Backend = None,
     upstream_url: UpstreamUrl = None,
+    lora: Lora = None,
 ) -> None:
     """Run everything in one process on the in-memory bus (embedded mode): an engine
     worker per model, each with its own engine."""
@@ -307,7 +320,9 @@ def serve(
     from sluice.bus.memory import MemoryEventBus
 
     overrides = _models_overrides(model, served_model_name, dtype, data_dir)
-    settings = settings_or_exit(GatewaySettings, host=host, port=port, **overrides)
+    settings = settings_or_exit(
+        GatewaySettings, host=host, port=port, lora_modules=lora, **overrides
+    )
     worker_settings = settings_or_exit(
         EngineWorkerSettings, **_engine(backend, upstream_url), **overrides
     )
@@ -376,6 +391,7 @@ def gateway(
     dtype: Dtype = None,
     data_dir: DataDir = None,
     api_key: ApiKey = None,
+    lora: Lora = None,
     announce: Annotated[
         bool, typer.Option(hidden=True, help="Print the URL and key (`up` says them itself).")
     ] = True,
@@ -385,7 +401,10 @@ def gateway(
     from sluice import wiring
 
     overrides = _models_overrides(model, served_model_name, dtype, data_dir)
-    settings = _keys(api_key, settings_or_exit(GatewaySettings, host=host, port=port, **overrides))
+    settings = settings_or_exit(
+        GatewaySettings, host=host, port=port, lora_modules=lora, **overrides
+    )
+    settings = _keys(api_key, settings)
     _require_kafka(settings)
     sock = _listen(settings, "gateway")
     secure_data_dir(settings)  # its tenants are the data dir's without SLUICE_DATABASE_URL

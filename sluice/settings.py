@@ -23,6 +23,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import NoDecode
 
 from sluice.api.prepare import RequestLimits
+from sluice.api.served import LoraModule
 from sluice.api.service import DEADLINE_GRACE_S, PUBLISH_TIMEOUT_S
 from sluice.bus.topics import Lane, TopicLayout
 from sluice.consumers.worker_config import EngineWorkerConfig
@@ -299,6 +300,19 @@ class GatewaySettings(Settings):
         description="bearer key of the /admin/v1 API; unset disables it",
         json_schema_extra=SECRET,
     )
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters served from start, comma-separated NAME=PATH or"
+        " NAME=PATH@BASE (BASE: a served model; default the first); requested as `model:"
+        " NAME`, public. The PEFT directory at PATH must be readable by the base's workers"
+        " (`--lora`, repeatable). More load at run time: POST /v1/load_lora_adapter",
+    )
+    adapter_refresh_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="how often the gateway reads the LoRA adapters loaded at run time from"
+        " the tenant store: one loaded through another gateway is served here within this",
+    )
     ws_allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="browser Origins allowed to open WebSockets, comma-separated; a"
@@ -465,6 +479,15 @@ class GatewaySettings(Settings):
     def _keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [m.strip() for m in value.split(",") if m.strip()]
+        for module in value:
+            LoraModule.parse(module)  # ValueError names the entry
         return value
 
     @field_validator("gateway_id")

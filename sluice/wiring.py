@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sluice.api.app import create_app, request_limits
+from sluice.api.app import create_app, model_catalog, request_limits
 from sluice.api.routes.batches import BatchLimits
 from sluice.api.served import ServedModel
 from sluice.billing.admission import AdmissionService, open_admission
@@ -680,7 +680,11 @@ def batch_runner(
     # out: an engine answering first has the broker create it with its default partitions
     bus.create_topics([TopicSpec(reply_topic(BATCH_REPLY_TARGET), 1)])
     budget = BatchBudget(admission) if admission is not None else None
-    return BatchRunner(BatchStore(db), bus, models, request_limits(settings), config, budget)
+    # batch lines name models, aliases and LoRA adapters as requests do (the adapters
+    # loaded at run time live in this database, as the gateways' do)
+    catalog = model_catalog(settings, models, db)
+    limits = request_limits(settings)
+    return BatchRunner(BatchStore(db), bus, models, limits, config, budget, catalog)
 
 
 def in_process_batches(

@@ -1,4 +1,5 @@
-"""`/admin/v1`: tenants, keys, usage reports and the price book, behind the admin key.
+"""`/admin/v1`: tenants (their limits and allowed models), keys, LoRA adapters, usage
+reports and the price book, behind the admin key.
 
 The same operations as `sluice tenants|keys|billing|prices` (`billing.admin`). The admin
 key is `SLUICE_ADMIN_KEY`, sent as `Authorization: Bearer <key>`. Without one configured
@@ -23,6 +24,12 @@ from sluice.storage.db import Database
 
 def require_admin(request: Request, gw: Gateway = Depends(gateway)) -> Database:
     """The billing database, for a caller holding the admin key."""
+    check_admin_key(request, gw)
+    return tenancy_db(gw)
+
+
+def check_admin_key(request: Request, gw: Gateway) -> None:
+    """403 without an admin key configured, 401 unless the caller sends it."""
     if not gw.admin_key:
         raise PermissionDenied(
             "the admin API is disabled: set SLUICE_ADMIN_KEY on the gateway to enable it",
@@ -31,7 +38,6 @@ def require_admin(request: Request, gw: Gateway = Depends(gateway)) -> Database:
     token = bearer_token(request) or ""
     if not hmac.compare_digest(token.encode(), gw.admin_key.encode()):
         raise AuthenticationFailed("incorrect admin key provided")
-    return tenancy_db(gw)
 
 
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -52,6 +58,15 @@ class TenantCreate(_Body):
     tpm: int | None = Field(None, ge=0)
     max_concurrency: int | None = Field(None, ge=0)
     monthly_budget_usd: Amount | None = None
+    allowed_models: list[str] | None = Field(
+        None, description="Served names its keys may use (models, aliases, adapters); null: all."
+    )
+
+
+class AllowedModels(_Body):
+    allowed_models: list[str] | None = Field(
+        description="Served names its keys may use (models, aliases, adapters); null: all."
+    )
 
 
 class KeyCreate(_Body):
@@ -72,13 +87,37 @@ def create_tenant(body: TenantCreate, db: Database = Depends(require_admin)) -> 
     """A tenant with its limits and a first key; `api_key` is shown only in this answer."""
     return admin.create_tenant(
         db, body.name, rpm=body.rpm, tpm=body.tpm, max_concurrency=body.max_concurrency,
-        monthly_budget_usd=body.monthly_budget_usd,
+        monthly_budget_usd=body.monthly_budget_usd, allowed_models=body.allowed_models,
     )  # fmt: skip
 
 
 @router.get("/tenants")
 def list_tenants(db: Database = Depends(require_admin)) -> Row:
     return {"object": "list", "data": admin.list_tenants(db)}
+
+
+@router.put("/tenants/{tenant}/models")
+def set_allowed_models(
+    tenant: str,
+    body: AllowedModels,
+    db: Database = Depends(require_admin),
+    gw: Gateway = Depends(gateway),
+) -> Row:
+    """Replace what the tenant may use: at once on this gateway, on the others as their
+    auth caches let its keys go (5 s)."""
+    row = admin.set_allowed_models(db, tenant, body.allowed_models)
+    if gw.admission is not None:
+        gw.admission.admission.auth.invalidate()
+    return row
+
+
+@router.get("/adapters")
+def list_adapters(
+    tenant: str | None = Query(None, description="Only those this tenant sees (name or id)."),
+    db: Database = Depends(require_admin),
+) -> Row:
+    """LoRA adapters loaded at run time (those of `--lora` are in the gateway's settings)."""
+    return {"object": "list", "data": admin.list_adapters(db, tenant)}
 
 
 @router.post("/keys", status_code=201)

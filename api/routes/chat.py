@@ -108,7 +108,7 @@ def compiles(body: ChatCompletionRequest) -> bool:
 def build(
     body: ChatCompletionRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> tuple[Call, ServedModel]:
-    model = gw.models.get(body.model)
+    model = gw.models.get(body.model, principal)
     plan = _validate(body, gw)
     spec, param = structured.request_spec(body)
     spec = constraint(model, plan, spec, param)

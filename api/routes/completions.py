@@ -25,7 +25,7 @@ router = APIRouter(prefix="/v1", tags=["completions"])
 def build(
     body: CompletionRequest, headers: Any, principal: Principal, gw: Gateway, cid: str
 ) -> tuple[Call, ServedModel]:
-    model = gw.models.get(body.model)
+    model = gw.models.get(body.model, principal)
     prepare.check_common(body, gw.limits)
     if body.suffix:
         raise prepare.refuse("suffix", "suffix is not supported by this server")

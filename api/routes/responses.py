@@ -121,7 +121,7 @@ def build(
 ) -> Call:
     """The call of one request; `stored`: the HTTP route, which keeps responses (the
     WebSocket mode and batch lines do not)."""
-    model = gw.models.get(body.model)
+    model = gw.models.get(body.model, principal)
     if not stored and body.previous_response_id:
         raise prepare.refuse("previous_response_id", "only HTTP requests continue a response")
     if not stored and body.background:
@@ -232,7 +232,7 @@ async def create_response(
         lambda: build(body, request.headers, principal, gw, cid, stored=True),
         compiles(body),
     )
-    model = gw.models.get(body.model)
+    model = gw.models.get(body.model, principal)
     generation = await gw.submit(request, principal, call.requests, call.deadline_ms)
     fmt = ResponsesFormat(
         call.call_id,
@@ -402,7 +402,7 @@ async def responses_websocket(websocket: WebSocket) -> None:
         except APIError as exc:
             yield ws_error(exc.status_code, exc.message, exc.code, exc.param)
             return
-        model = gw.models.get(body.model)
+        model = gw.models.get(body.model, principal)
         fmt = ResponsesFormat(
             call.call_id,
             body,

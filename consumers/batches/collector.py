@@ -21,6 +21,7 @@ its own requests, before the line leaves the batch's in-flight estimate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from sluice.api.errors import APIError, RequestCancelled
 from sluice.api.generation import Generation, Track, accept
-from sluice.api.served import ServedModel
+from sluice.api.served import ModelCatalog, ServedModel
 from sluice.billing.batch_budget import BatchBudget
 from sluice.bus.base import Consumer, EventBus, TopicPartition, TopicSpec
 from sluice.bus.codec import decode_as
@@ -59,7 +60,7 @@ from sluice.consumers.batches.runner import (
     STOPPED_EXPIRED_MESSAGE,
 )
 from sluice.storage.batches import BatchInfo, BatchStore, LineInfo, LineOutcome
-from sluice.storage.errors import StoreUnavailable
+from sluice.storage.errors import StoreError, StoreUnavailable
 from sluice.tracing.metrics import ACTIVE_BATCH_STATUSES, count_batch_lines, set_batch_counts
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class BatchCollector:
         self,
         bus: EventBus,
         store: BatchStore,
-        models: Sequence[ServedModel],
+        models: Sequence[ServedModel] | ModelCatalog,
         on_batch_done: Callable[[str], None],
         *,
         budget: BatchBudget | None = None,
@@ -113,7 +114,8 @@ class BatchCollector:
         self.bus = bus
         self.store = store
         self.budget = budget
-        self.models = {m.name: m for m in models}
+        # the runner's catalog (its adapters as of its last refresh), or the models alone
+        self.models = models if isinstance(models, ModelCatalog) else ModelCatalog(models)
         self.on_batch_done = on_batch_done
         self.poll_timeout_s = poll_timeout_s
         self.flush_interval_s = flush_interval_s
@@ -258,10 +260,14 @@ class BatchCollector:
                 result = refused_line(info.custom_id, request_id, error, usage)
             return LineOutcome(info.line, False, result, **counts)
         body = json.loads(info.body)
+        try:
+            model = self._served(body["model"])
+        except APIError as exc:  # its adapter was unloaded while the line ran
+            return LineOutcome(info.line, False, refused_line(info.custom_id, request_id, exc))
         answer = answer_body(
             endpoint,
             body,
-            self.models[body["model"]],
+            model,
             line_call_id(info.batch_id, info.line),
             results,
             used.prompt_tokens,
@@ -272,6 +278,16 @@ class BatchCollector:
         return LineOutcome(
             info.line, True, output_line(info.custom_id, request_id, 200, answer), **counts
         )
+
+    def _served(self, name: str) -> ServedModel:
+        """The line's model; an adapter loaded since the catalog's last refresh (a restarted
+        collector's) is looked up again once. Access was checked when the line was built."""
+        try:
+            return self.models.get(name)
+        except APIError:
+            with contextlib.suppress(StoreError):  # then the line is answered 404
+                self.models.refresh()
+            return self.models.get(name)
 
     def _stopped_by_batch(
         self, batch_id: str, finishes: set[FinishReason | None]

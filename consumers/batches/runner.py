@@ -44,6 +44,8 @@ from sluice.consumers.batches.lines import (
     unrun_line,
 )
 from sluice.storage.batches import BatchInfo, BatchStore, LineOutcome, NewLine, now_s
+from sluice.storage.errors import NotFound, StoreError
+from sluice.storage.tenants import TenantRepository
 from sluice.tracing.propagation import inject_headers
 from sluice.tracing.spans import SendSpan
 
@@ -129,17 +131,19 @@ class BatchRunner:
         limits: RequestLimits,
         config: BatchConfig,
         budget: BatchBudget | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.config = config
         self.budget = budget  # None: no tenant store, no budgets
-        self.models = list(models)
+        # `models` with the aliases and LoRA adapters (`api.app.model_catalog`), when given
+        self.models = catalog if catalog is not None else ModelCatalog(models)
         # the routes' builders read the reply target from the gateway's service: batch
         # lines answer to the batches collector (never started here: it only names it)
         self.gw = Gateway(
             service=GatewayService(bus, gateway_id=BATCH_REPLY_TARGET),
-            models=ModelCatalog(self.models),
+            models=self.models,
             limits=limits,
             sse_ping_s=15.0,
         )
@@ -170,13 +174,14 @@ class BatchRunner:
             error = line_error(-1, "file_not_found", f"file {batch.input_file_id} was deleted")
             self._fail(batch, [{**error, "line": None}])
             return
-        parsed, errors = parse_file(
-            content, batch.endpoint, {m.name: m for m in self.models}, self.config.max_lines
-        )
+        principal = self._owner(batch)
+        self._refresh_models()
+        # a model the owner may not use is not served, as on the routes
+        visible = {e.id: e.model for e in self.models.listed(principal)}
+        parsed, errors = parse_file(content, batch.endpoint, visible, self.config.max_lines)
         if errors:
             self._fail(batch, errors)
             return
-        principal = Principal(tenant_id=batch.tenant_id, key_id=batch.key_id)
         new_lines: list[NewLine] = []
         refused: list[LineOutcome] = []
         prepared: dict[int, PreparedLine] = {}
@@ -229,6 +234,23 @@ class BatchRunner:
             tokens,
         )
         self.dispatch(batch_id, prepared, lease=lease)
+
+    def _owner(self, batch: BatchInfo) -> Principal:
+        """The batch's owner with its tenant's allowed models as they are now (a tenant
+        of no tenant store, a static key's: every model)."""
+        try:
+            allowed = TenantRepository(self.store.db).get(batch.tenant_id).allowed_models
+        except NotFound:
+            allowed = None
+        models = None if allowed is None else frozenset(allowed)
+        return Principal(batch.tenant_id, batch.key_id, allowed_models=models)
+
+    def _refresh_models(self) -> None:
+        """The LoRA adapters loaded at run time, as of now (one query per batch)."""
+        try:
+            self.models.refresh()
+        except StoreError as exc:
+            logger.warning("LoRA adapter registry not refreshed: %s", exc)
 
     def _prepare(
         self,
