@@ -158,7 +158,7 @@ def test_each_request_exports_its_server_and_inference_span_in_one_trace(
         assert a["gen_ai.provider.name"] == "sluice"
         assert attrs(server)["gen_ai.usage.output_tokens"] == completion_tokens
         assert server.end_time_unix_nano >= inference.end_time_unix_nano
-    sends = receiver.named("send sluice.requests.standard.v1")
+    sends = receiver.named(f"send sluice.requests.{MODEL}.standard.v1")
     assert {s.trace_id for s in sends} >= {s.trace_id for s in servers}
     services = {service for service, _ in receiver.spans}
     assert services == {"sluice"}
@@ -211,7 +211,7 @@ def test_a_killed_engine_gives_a_second_attempt_in_the_same_trace(
     assert by_attempt[0].trace_id == by_attempt[1].trace_id == server.trace_id
     processes = [
         s
-        for s in receiver.named("process sluice.requests.standard.v1")
+        for s in receiver.named(f"process sluice.requests.{MODEL}.standard.v1")
         if attrs(s)["sluice.request_id"] == request_id
     ]
     assert sorted(attrs(s)["sluice.attempt"] for s in processes) == [0, 1]
