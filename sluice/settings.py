@@ -25,6 +25,7 @@ from pydantic_settings import NoDecode
 from sluice.api.prepare import RequestLimits
 from sluice.api.served import LoraModule
 from sluice.api.service import DEADLINE_GRACE_S, PUBLISH_TIMEOUT_S
+from sluice.billing.admin import check_adapter_dir
 from sluice.bus.topics import Lane, TopicLayout
 from sluice.consumers.worker_config import EngineWorkerConfig
 from sluice.settings_fields import (
@@ -36,6 +37,7 @@ from sluice.settings_fields import (
     from_config,
 )
 from sluice.settings_model import ModelSettings
+from sluice.storage.errors import InvalidInput
 
 __all__ = [
     "ENV_PREFIX",
@@ -486,9 +488,15 @@ class GatewaySettings(Settings):
     def _lora_modules(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [m.strip() for m in value.split(",") if m.strip()]
-        for module in value:
-            LoraModule.parse(module)  # ValueError names the entry
-        return value
+        checked = []
+        for text in value:
+            module = LoraModule.parse(text)  # ValueError names the entry
+            try:  # the directory as a run-time load checks it, made absolute for the workers
+                path = check_adapter_dir(module.path)
+            except InvalidInput as exc:
+                raise ValueError(f"{module.name}: {exc}") from None
+            checked.append(f"{module.name}={path}" + (f"@{module.base}" if module.base else ""))
+        return checked
 
     @field_validator("gateway_id")
     @classmethod
