@@ -90,8 +90,8 @@ async def unload_lora_adapter(
     name = body.lora_name
     if gw.models.started_with(name):
         raise InvalidRequest(
-            f"the LoRA adapter '{name}' is served from the gateway's settings"
-            " (--lora, SLUICE_LORA_MODULES): remove it there",
+            f"'{name}' is served from the gateway's settings (--lora, SLUICE_LORA_MODULES"
+            " or SLUICE_MODEL_ALIASES): remove it there",
             param="lora_name",
         )
     await asyncio.to_thread(admin.unload_adapter, db, name)
