@@ -1,9 +1,12 @@
 """`sluice up` with model pools: engine workers per served model, named by pool when there
-are several, readiness awaited per pool, `--pool MODEL=N` sizes (0: none started)."""
+are several, readiness awaited per pool, `--pool MODEL=N` sizes (0: none started);
+`serve` announces once every model's engine is ready."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ import sluice.up
 from sluice import wiring
 from sluice.bus.topics import Lane, request_topic
 from sluice.cli import app as cli_app
+from sluice.cli_serving import _announce, _report_startup
 from sluice.settings import GatewaySettings
 from sluice.up import ENGINE, GATEWAY, Child, EnginePool, readiness_urls, run_up
 
@@ -133,3 +137,62 @@ def test_the_topic_layout_has_the_lanes_of_every_served_models_pool() -> None:
         for lane in Lane:
             assert request_topic(lane, pool) in names
             assert f"{request_topic(lane, pool)}.dlq" in names
+
+
+class _Worker:
+    def __init__(self, healthy: bool = True) -> None:
+        self.healthy = healthy
+
+    def health(self) -> bool:
+        return self.healthy
+
+
+def _serving_app(ready: bool) -> Any:
+    probe = SimpleNamespace(unavailable=lambda: None, ready=lambda: ready)
+    return SimpleNamespace(
+        state=SimpleNamespace(worker_probe=probe, gateway=SimpleNamespace(service=READY))
+    )
+
+
+READY = SimpleNamespace(ready=True)
+
+
+def test_serve_announces_once_the_engines_of_every_model_are_ready(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    announced: list[bool] = []
+    server = SimpleNamespace(started=True)
+    backends = [SimpleNamespace(pid=11), SimpleNamespace(pids=[12, 13])]
+    workers = [_Worker(), _Worker()]
+    _report_startup(server, _serving_app(True), workers, backends, lambda: announced.append(True))
+    assert announced == [True]
+    err = capsys.readouterr().err
+    assert "engine process pid=11,12,13 started" in err and "engines ready after" in err
+
+
+def test_serve_says_so_and_never_announces_when_one_models_worker_stops(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    announced: list[bool] = []
+    workers = [_Worker(), _Worker(healthy=False)]
+    backends = [SimpleNamespace(pid=None), SimpleNamespace(pid=None)]
+    server = SimpleNamespace(started=True)
+    _report_startup(server, _serving_app(False), workers, backends, lambda: announced.append(True))
+    assert announced == []
+    assert "an engine worker stopped before it was ready" in capsys.readouterr().err
+
+
+def test_the_announcement_names_every_served_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    settings = GatewaySettings(  # type: ignore[call-arg]
+        model="tiny-llama",
+        models="smollm2-135m-instruct",
+        port=8123,
+        data_dir=tmp_path,
+        api_keys=["sk-announced"],
+    )
+    _announce(settings, "'tiny-llama', 'smollm2-135m-instruct'", "gateway")
+    out = capsys.readouterr().out
+    assert "serving 'tiny-llama', 'smollm2-135m-instruct' at http://" in out
+    assert ":8123/v1" in out
