@@ -122,13 +122,6 @@ class AdapterRegistry(Protocol):
     def list(self, tenant_id: str | None = None) -> list[AdapterInfo]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """The registry's adapters this catalog serves, as of one refresh."""
-
-    adapters: dict[str, tuple[AdapterInfo, ServedModel]] = field(default_factory=dict)
-
-
 class ModelCatalog:
     """Served models by name, aliases (`gpt-4o-mini` → a served model: an alias answers as
     its target, the way OpenAI's aliases answer with the snapshot's name) and LoRA adapters
@@ -175,7 +168,9 @@ class ModelCatalog:
                 raise InvalidRequest(f"alias {alias!r} is already a served model's name")
         self._registry = registry
         self.refresh_s = refresh_s
-        self._snapshot = _Snapshot()
+        # the registry's adapters served here, as of the last refresh: replaced whole, so
+        # a request on the loop never sees one half-built on the refresh's thread
+        self._loaded: dict[str, tuple[AdapterInfo, ServedModel]] = {}
 
     def __iter__(self) -> Any:
         """The base models (one pool each)."""
@@ -205,7 +200,7 @@ class ModelCatalog:
             entries.append(
                 Listed(alias, self._models.get(target) or self._static[target][1], target)
             )
-        adapters = {**self._snapshot.adapters, **self._static}
+        adapters = {**self._loaded, **self._static}
         entries += [Listed(n, v, i.path, i.base_model) for n, (i, v) in adapters.items()]
         return [e for e in entries if principal is None or self._allowed(e.id, principal)]
 
@@ -238,11 +233,11 @@ class ModelCatalog:
             # settings took since it was loaded, is not served here
             if info.base_model in self._models and self._lookup_static(info.name) is None:
                 adapters[info.name] = (info, self._view(info))
-        self._snapshot = _Snapshot(adapters)
+        self._loaded = adapters
 
     async def refresh_forever(self) -> None:
         """Refresh every `refresh_s` until cancelled; a failed refresh keeps the snapshot."""
-        while True:
+        while self._registry is not None:
             try:
                 await asyncio.to_thread(self.refresh)
             except Exception as exc:  # the store's outage must not stop serving the rest
@@ -259,12 +254,12 @@ class ModelCatalog:
 
     def _lookup(self, name: str) -> ServedModel | None:
         model = self._lookup_static(name)
-        if model is None and name in self._snapshot.adapters:
-            model = self._snapshot.adapters[name][1]
+        if model is None and name in self._loaded:
+            model = self._loaded[name][1]
         return model
 
     def _adapter(self, name: str) -> AdapterInfo | None:
-        found = self._static.get(name) or self._snapshot.adapters.get(name)
+        found = self._static.get(name) or self._loaded.get(name)
         return found[0] if found is not None else None
 
     def _allowed(self, name: str, principal: Principal) -> bool:
