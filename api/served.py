@@ -232,7 +232,10 @@ class ModelCatalog:
             # one whose base this deployment does not serve, or whose name a model of the
             # settings took since it was loaded, is not served here
             if info.base_model in self._models and self._lookup_static(info.name) is None:
-                adapters[info.name] = (info, self._view(info))
+                known = self._loaded.get(info.name)  # unchanged: its view is reused
+                adapters[info.name] = (
+                    known if known and known[0] == info else (info, self._view(info))
+                )
         self._loaded = adapters
 
     async def refresh_forever(self) -> None:
