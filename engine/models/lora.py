@@ -9,8 +9,11 @@ costs the same few ops per projection:
 
     xa = x @ A_all^T                 every slot's low-rank input, [rows, parts*rank*slots]
     xa *= mask                       a row keeps only its own slot's columns (base: none)
-    y[:, part] += xa[:, part] @ B_part
+    y += xa @ B_all                  B_all block-diagonal over the parts, [parts*rank*slots, out]
 
+Four ops per projection whatever the mix: a decode step's few rows pay per op, not per
+flop, so the zeros of the other slots' columns and of B_all's off-diagonal blocks cost
+less than grouping rows by adapter would (an op per adapter per projection).
 No merged weights: the base projections run as they do without adapters. The rank
 dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
 bigger adapters arrive, up to `max_lora_rank`.
@@ -58,7 +61,8 @@ def module_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
 
 class FusedLoRA:
     """One fused projection's adapter weights, every slot: A rank-major `[P, R, S, in]`
-    (viewed flat), B per part `[R, S, out_p]`; column c of `x @ A^T` is slot c % S."""
+    and B `[P, R, S, out]` (zero outside part p's columns), both viewed flat; column c of
+    `x @ A^T` is slot c % S."""
 
     def __init__(
         self, in_features: int, out_sizes: list[int], num_slots: int, rank: int, dtype: torch.dtype
@@ -66,8 +70,9 @@ class FusedLoRA:
         self.in_features, self.out_sizes, self.num_slots = in_features, out_sizes, num_slots
         self.rank = 0
         self.dtype = dtype
+        self.out_features = sum(out_sizes)
         self.a = torch.zeros((0, in_features), dtype=dtype)
-        self.b = [torch.zeros((0, n), dtype=dtype) for n in out_sizes]
+        self.b = torch.zeros((0, self.out_features), dtype=dtype)
         self.offsets = [sum(out_sizes[:p]) for p in range(len(out_sizes))]
         self.targeted = [0] * num_slots  # per slot, whether its adapter targets this
         self.grow(rank)
@@ -84,12 +89,9 @@ class FusedLoRA:
         a = torch.zeros((parts, rank, s, self.in_features), dtype=self.dtype)
         a[:, :old] = self.a.view(parts, old, s, self.in_features)
         self.a = a.view(parts * rank * s, self.in_features)
-        b = []
-        for n, old_b in zip(self.out_sizes, self.b, strict=True):
-            new = torch.zeros((rank, s, n), dtype=self.dtype)
-            new[:old] = old_b.view(old, s, n)
-            b.append(new.view(rank * s, n))
-        self.b = b
+        b = torch.zeros((parts, rank, s, self.out_features), dtype=self.dtype)
+        b[:, :old] = self.b.view(parts, old, s, self.out_features)
+        self.b = b.view(parts * rank * s, self.out_features)
         self.rank = rank
 
     def set_slot(
@@ -97,8 +99,9 @@ class FusedLoRA:
     ) -> None:
         """Slot `slot`'s `part`: A `[r, in]`, B `[out_p, r]` (scaled); None clears it."""
         parts, r_all, s = len(self.out_sizes), self.rank, self.num_slots
+        off, n = self.offsets[part], self.out_sizes[part]
         a_view = self.a.view(parts, r_all, s, self.in_features)[part, :, slot]
-        b_view = self.b[part].view(r_all, s, self.out_sizes[part])[:, slot]
+        b_view = self.b.view(parts, r_all, s, self.out_features)[part, :, slot, off : off + n]
         a_view.zero_()
         b_view.zero_()
         if a is not None and b is not None:
@@ -112,15 +115,10 @@ class FusedLoRA:
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
         xa = torch.mm(x, self.a.t()).mul_(mask)
-        width = self.rank * self.num_slots
-        same = y.dtype == self.dtype
-        for p, (b, off, n) in enumerate(zip(self.b, self.offsets, self.out_sizes, strict=True)):
-            part = xa[:, p * width : (p + 1) * width] if len(self.b) > 1 else xa
-            out = y[:, off : off + n] if len(self.b) > 1 else y
-            if same:
-                out.addmm_(part, b)
-            else:
-                out.add_(torch.mm(part, b))
+        if y.dtype == self.dtype:
+            y.addmm_(xa, self.b)
+        else:
+            y.add_(torch.mm(xa, self.b))
 
 
 class LoRAWeights:

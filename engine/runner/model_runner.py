@@ -313,8 +313,10 @@ class ModelRunner:
             if error is None:
                 try:
                     if weights is None:
+                        # fp32 whatever the model computes in: torch's bf16 matmuls of
+                        # these thin shapes are several times slower than its fp32 ones on CPU
                         weights = self.lora_weights = LoRAWeights(
-                            self.model.config, self.config.max_loras, self.dtype
+                            self.model.config, self.config.max_loras, torch.float32
                         )
                     weights.load(slot, lora, self.lora_config(lora))
                     continue
