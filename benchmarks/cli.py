@@ -315,6 +315,34 @@ def bench_money(
     emit(run(quick=quick, only=only, fleet=fleet), render, as_json)
 
 
+@bench_app.command("lora")
+def bench_lora(
+    as_json: JsonFlag = False,
+    quick: Annotated[bool, typer.Option(help="The smaller mixed workload, one rep.")] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(help="A Hugging Face model directory.", show_default="h512 L8 preset"),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32, the same on every side.")] = (
+        "bfloat16"
+    ),
+    data_dir: DataDir = None,
+) -> None:
+    """Four LoRA adapters batched in one engine vs the base model alone (goal >= 0.8x its
+    tokens/s) and vs four merged-weight engines time-sliced, on the mixed workload.
+
+    Needs peft and transformers, from the project's test extra.
+    """
+    settings = settings_or_exit(Settings, data_dir=data_dir)
+    try:
+        from benchmarks.lora import render, run
+    except ImportError as exc:
+        typer.echo(f"bench lora needs the test extra: pip install -e '.[test]' ({exc})", err=True)
+        raise typer.Exit(2) from exc
+    result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir))
+    emit(result, render, as_json)
+
+
 @bench_app.command("structured")
 def bench_structured(
     as_json: JsonFlag = False,
