@@ -39,6 +39,19 @@ class ModelSettings(SettingsBase):
         description="the model name clients send and see; unset: the preset's or the"
         " model directory's name",
     )
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="more models the deployment serves beside --model, comma-separated"
+        " (presets, directories or .gguf files; each served under its own name, a pool of"
+        " its own): a gateway routes to each, `sluice serve` runs an engine per model. An"
+        " engine worker serves --model alone",
+    )
+    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="other names clients may send for a served model, comma-separated"
+        " ALIAS=MODEL pairs (gpt-4o-mini=smollm2-135m-instruct); an alias answers as its"
+        " model",
+    )
     tool_parser: Literal["hermes", "llama3_json", "mistral"] = Field(
         default="hermes",
         description="how the model writes tool calls, read back into `tool_calls` (and"
@@ -272,6 +285,28 @@ class ModelSettings(SettingsBase):
         """The engine's configuration: these settings, then `resolved`, what the composition
         root decides beyond them (device, dtype, the served max_model_len, the policy)."""
         return EngineConfig(**{**config_kwargs(self, EngineConfig), **resolved})
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _aliases(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        pairs = {}
+        for item in (i.strip() for i in value.split(",")):
+            alias, sep, target = (p.strip() for p in item.partition("="))
+            if not item:
+                continue
+            if not (sep and alias and target):
+                raise ValueError(f"{item!r}: write ALIAS=MODEL")
+            pairs[alias] = target
+        return pairs
 
     @property
     def model_name(self) -> str:
