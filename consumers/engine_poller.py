@@ -65,6 +65,12 @@ class LanePoller:
         self.join_timeout_s = 30.0
 
     def open(self) -> None:
+        self.open_control()
+        self.open_lanes()
+
+    def open_control(self) -> None:
+        """Join the control group; may run while the engine loads (a join takes the
+        broker's rebalance delay, seconds a pool scaling from zero would wait on)."""
         self._control = self.bus.consumer(
             self.control_group_id,
             [CONTROL_TOPIC, HEARTBEATS_TOPIC],
@@ -72,6 +78,9 @@ class LanePoller:
             max_wait_ms=self._control_max_wait_ms,
         )
         self._join_control()
+
+    def open_lanes(self) -> None:
+        """Subscribe to the lanes: after `open_control`, once the engine is up."""
         self._consumer = self.bus.consumer(
             self.group_id, self.topics, on_assign=self._assigned, on_revoke=self._revoked
         )

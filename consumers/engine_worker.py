@@ -228,6 +228,8 @@ class EngineWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         failed_start: EngineDeadError | None = None
+        # the control group joins on the Kafka thread while the engine loads
+        control = self._loop.run_in_executor(self._kafka, self._poller.open_control)
         try:
             self.backend.start()
         except EngineDeadError as exc:
@@ -239,7 +241,8 @@ class EngineWorker:
         self._engine_started_at = self._loop.time()
         if self.model_name is not None:
             self._unwatch_engine = watch_engine(self.model_name, self.backend.stats)
-        await self._on_kafka(self._poller.open)
+        await control
+        await self._on_kafka(self._poller.open_lanes)
         self._flow.publisher.bind(self._loop)
         deltas = asyncio.create_task(self._delta_loop(failed_start), name="engine-deltas")
         ticker = asyncio.create_task(self._tick_loop(), name="engine-ticks")
