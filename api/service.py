@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 TerminalHook = Callable[[GenerateRequest, TokenDelta], None]
 TERMINAL_WAIT_S = 3600.0  # how long a published request waits for its terminal delta
+UNANSWERED_CANCEL_MAX_S = 3600.0  # a cancel is sent again at most this long (no deadline)
+MAX_UNANSWERED_CANCELS = 10_000  # the rest wait for their deadline at the worker
 PUBLISH_REPORT_GRACE_S = 2.0  # how long past the publish timeout the bus may take to say
 REPLY_COMMIT_INTERVAL_S = 0.5  # a rejoining reply consumer re-reads at most this much
 
@@ -108,6 +110,12 @@ class GatewayService:
         self.streams = ResumableStreams(resume_window_s, self.gateway_id)
         self._followers: dict[str, ReplyFollower] = {}  # reply target → its follower
         self.verdict = EngineVerdict()  # whether a worker said that no engine is up
+        # request id → (tenant, reason, monotonic deadline) of cancels no worker answered:
+        # a request waiting in the topics of a pool with no worker meets the worker that
+        # starts later, whose control consumer reads from its start on; so each is sent
+        # again with every heartbeat until a terminal delta or the deadline
+        self._unanswered_cancels: dict[str, tuple[str, str, float]] = {}
+        self._cancels_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -277,13 +285,20 @@ class GatewayService:
         return generation
 
     def cancel(self, generation: Generation, reason: str = "client disconnected") -> None:
-        """Publish a Cancel for every unfinished sub-request and forget them."""
+        """Publish a Cancel for every unfinished sub-request and forget them; one that no
+        worker answered yet is sent again until one does (see `_unanswered_cancels`)."""
+        deadline = generation.wait_until or time.monotonic() + UNANSWERED_CANCEL_MAX_S
         for track in generation.tracks:
             if track.done:
                 continue
             track.done = True
             self._tracks.pop(track.request_id, None)
             self._publish_cancel(track.request_id, generation.tenant_id, reason)
+            if track.attempt < 0 and self.heartbeat_s > 0:
+                with self._cancels_lock:
+                    if len(self._unanswered_cancels) < MAX_UNANSWERED_CANCELS:
+                        entry = (generation.tenant_id, reason, deadline)
+                        self._unanswered_cancels[track.request_id] = entry
 
     def cancel_and_follow(self, generation: Generation, reason: str) -> None:
         """Publish a Cancel for every unfinished sub-request but keep routing its deltas:
@@ -293,7 +308,9 @@ class GatewayService:
             if not track.done:
                 self._publish_cancel(track.request_id, generation.tenant_id, reason)
 
-    def _publish_cancel(self, request_id: str, tenant_id: str, reason: str) -> None:
+    def _publish_cancel(
+        self, request_id: str, tenant_id: str, reason: str, again: bool = False
+    ) -> None:
         message = Cancel(request_id=request_id, tenant_id=tenant_id, reason=reason)
         try:
             self.bus.publish(
@@ -301,7 +318,8 @@ class GatewayService:
             )
         except BusError as exc:  # the engine's deadline still bounds the waste
             logger.warning("cancel not published request_id=%s: %s", request_id, exc)
-        logger.info("cancelled request_id=%s reason=%s", request_id, reason)
+        if not again:
+            logger.info("cancelled request_id=%s reason=%s", request_id, reason)
 
     def _await_terminals(self, requests: Sequence[GenerateRequest]) -> None:
         now = time.monotonic()
@@ -382,6 +400,14 @@ class GatewayService:
             resume_window_ms=int(self.streams.window_s * 1000),
         )
         self.bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self.gateway_id.encode())
+        if self._unanswered_cancels:
+            with self._cancels_lock:
+                for request_id, (_, _, deadline) in list(self._unanswered_cancels.items()):
+                    if deadline < now:
+                        del self._unanswered_cancels[request_id]
+                again = list(self._unanswered_cancels.items())
+            for request_id, (tenant_id, reason, _) in again:
+                self._publish_cancel(request_id, tenant_id, reason, again=True)
 
     def _hand_over(self, batches: list[TokenDeltaBatch]) -> None:
         loop = self._loop
@@ -394,6 +420,9 @@ class GatewayService:
     def _route(self, batches: list[TokenDeltaBatch]) -> None:
         for batch in batches:
             for delta in batch.deltas:
+                if self._unanswered_cancels and delta.finish_reason is not None:
+                    with self._cancels_lock:
+                        self._unanswered_cancels.pop(delta.request_id, None)
                 entry = self._tracks.get(delta.request_id)
                 self.verdict.heard(delta, None if entry is None else entry[1].pool)
                 if self.slo is not None:

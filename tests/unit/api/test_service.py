@@ -302,3 +302,32 @@ def test_a_stream_taken_over_reads_the_other_gateways_replies_from_the_first() -
         await gw2.stop()
 
     asyncio.run(main())
+
+
+def test_a_cancel_no_worker_answered_is_sent_again_until_a_terminal() -> None:
+    """A request waiting in the topics of a pool with no worker: its cancel reaches a
+    worker that starts later (its control consumer reads from its start), because the
+    gateway sends it again with each heartbeat until a terminal delta comes."""
+
+    async def main() -> None:
+        bus = MemoryEventBus()
+        service = GatewayService(bus, gateway_id="gw1", poll_timeout_s=0.01, heartbeat_s=0.02)
+        await service.start()
+        generation = await service.submit([request()], deadline_ms=None)
+        service.cancel(generation)
+        await asyncio.sleep(0.1)
+        late = bus.consumer("late-worker", [CONTROL_TOPIC], offset_reset="latest")
+        late.poll(0.05)  # its position resolves: only what is published from now on
+        await asyncio.sleep(0.2)
+        again = [decode_as(Cancel, r.value) for r in late.poll(0.1, 100)]
+        assert again and {c.request_id for c in again} == {"req_1"}
+        terminal = delta(0, 0, 0, "", finish_reason="abort")
+        batch = TokenDeltaBatch(reply_to="gw1", deltas=[terminal])
+        bus.publish(reply_topic("gw1"), encode(batch))
+        await asyncio.sleep(0.2)
+        late.poll(0.05, 100)  # what was on its way as the terminal came
+        await asyncio.sleep(0.2)
+        assert late.poll(0.1, 100) == []
+        await service.stop()
+
+    asyncio.run(main())
