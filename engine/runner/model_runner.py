@@ -280,13 +280,23 @@ class ModelRunner:
                 cpu_ops=self.cpu_ops,
                 bf16_ops=self.bf16_ops,
             )
-            inputs.meta.lora = self._lora_step(scheduler_output)
+            lora = inputs.meta.lora = self._lora_step(scheduler_output)
             # the one-call decode plan has no adapters: a step with some runs layer by layer
-            if inputs.meta.cpu_ops is not None and inputs.meta.lora is None:
+            if inputs.meta.cpu_ops is not None and lora is None:
                 inputs.meta.decode_plan = self.decode_plan
-            hidden = self.model.forward(
-                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
-            )
+            # a decode step on the kernels keeps torch's thread pool asleep (its spinning
+            # helpers would contend with the kernels' threads): the adapters' few-row
+            # matmuls run on this thread alone
+            alone = lora is not None and inputs.meta.cpu_ops is not None and bool(self.decode_plan)
+            if alone:
+                torch.set_num_threads(1)
+            try:
+                hidden = self.model.forward(
+                    inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
+                )
+            finally:
+                if alone:
+                    torch.set_num_threads(self._step_threads)
             prompt = self._prompt_logprobs(inputs, hidden) if inputs.prompt_rows else None
             out = self._sample(inputs, hidden) if inputs.sampling else RunnerOutput()
         if prompt:
