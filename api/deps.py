@@ -121,6 +121,7 @@ class Gateway:
             reply_to=self.service.gateway_id,
             limits=self.limits,
             call_id=call_id,
+            reply_beats=self.service.heartbeat_s > 0,
         )
 
     async def submit(

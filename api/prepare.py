@@ -295,6 +295,7 @@ def build_call(
     reply_to: str,
     limits: RequestLimits,
     call_id: str | None = None,
+    reply_beats: bool = False,
 ) -> Call:
     """One GenerateRequest per (prompt, choice); seeds differ per choice so n > 1 varies."""
     check_sampling(model, sampling)
@@ -326,6 +327,7 @@ def build_call(
                     sampling=spec,
                     deadline_ms=deadline_ms,
                     reply_to=reply_to,
+                    reply_beats=reply_beats,
                     created_ms=now_ms,
                     cache_salt=principal.tenant_id,
                     bill_prompt=c == 0,

@@ -97,6 +97,9 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     deadline_ms: int | None = None  # unix epoch milliseconds
     reply_to: str  # the reply target (a gateway instance) whose stream wants the tokens
+    # the reply target sends heartbeats: a worker that never heard it, though heartbeats
+    # flowed for the gateways' ttl, judges it gone (`consumers.gateway_liveness`)
+    reply_beats: bool = Field(default=False, exclude_if=lambda v: not v)
     created_ms: int
     cache_salt: str | None = None
     batch_id: str | None = None

@@ -84,15 +84,15 @@ class FlowCancels:
             beat = self._gateways.own_beat(self._load() if self._load else None)
             self._bus.publish(HEARTBEATS_TOPIC, encode(beat), key=self._worker_id.encode())
         gone = self._gateways.gone()
-        if not gone:
+        strangers = self._gateways.judging()  # a gateway never heard is gone too
+        if not gone and not strangers:
             return
         for item in list(self._held):
             request = item.request
-            if (
-                request.reply_to in gone
-                and item.end is None
-                and not self._gateways.followed(request.request_id)
-            ):
+            dead = request.reply_to in gone or (
+                strangers and request.reply_beats and self._gateways.never_heard(request.reply_to)
+            )
+            if dead and item.end is None and not self._gateways.followed(request.request_id):
                 logger.warning(
                     "request_id=%s tenant_id=%s cancelled: its gateway %s is gone",
                     *ids(item),

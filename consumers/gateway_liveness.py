@@ -14,8 +14,11 @@ while it is heard, and the dead gateway's others are cancelled as before.
 Silence alone is not death: a broker outage silences every gateway at once. So a gateway
 is judged only while the heartbeat stream flows: the worker heard its own heartbeat
 within two intervals, and has heard heartbeats without a gap for `ttl_s`, so every
-live gateway had the time to be heard again after an outage. Reply targets that never
-sent a heartbeat (the batches collector, a gateway of an older version) are never judged.
+live gateway had the time to be heard again after an outage. A gateway this worker never
+heard is judged the same way when its requests say it beats (`reply_beats`): a worker
+that started after the gateway died (a pool scaling up from zero) would otherwise run
+its waiting requests to the end for nobody. Reply targets that send no heartbeat (the
+batches collector, bulk) are never judged.
 """
 
 from __future__ import annotations
@@ -79,6 +82,19 @@ class GatewayLiveness:
             pool=self.pool,
         )
 
+    def judging(self) -> bool:
+        """The heartbeat stream flows (see the module docstring): silence means death."""
+        now = self._clock()
+        return (
+            self.ttl_s > 0
+            and now - self._own_heard <= 2 * self.heartbeat_s
+            and now - self._flowing_since >= self.ttl_s
+        )
+
+    def never_heard(self, gateway: str) -> bool:
+        """`gateway` was not heard since this worker listens (gone, while `judging`)."""
+        return gateway not in self._gateways
+
     def followed(self, request_id: str) -> bool:
         """Another gateway took this request's stream over and was heard within the ttl."""
         heard = self._followed.get(request_id)
@@ -88,13 +104,7 @@ class GatewayLiveness:
         """The gateways heard before and silent for `ttl_s` (plus their resume window)
         while the stream flows."""
         now = self._clock()
-        if self.ttl_s <= 0:
-            return set()
-        flowing = (
-            now - self._own_heard <= 2 * self.heartbeat_s
-            and now - self._flowing_since >= self.ttl_s
-        )
-        if not flowing:
+        if not self.judging():
             return set()
         for gateway, (heard, _) in list(self._gateways.items()):
             if now - heard > self._forget_after_s:

@@ -145,3 +145,36 @@ class _Stream:
 
 
 _NONE = _Stream()
+
+
+def test_a_beating_gateway_never_heard_is_gone_once_heartbeats_flow_for_the_ttl() -> None:
+    """A worker started after a gateway died (a pool scaling up from zero) never heard
+    it: its requests that say their gateway beats are cancelled after the ttl, billed for
+    what ran; those of a reply target that sends no heartbeat (batches, bulk) run on."""
+    bus = MemoryEventBus()
+    create_topics(bus, request_partitions=1)
+    client = Client(bus)
+    backend = RecordingSimBackend(step_s=0.01)
+    config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.05,
+                                gateway_ttl_s=0.3)  # fmt: skip
+    worker = WorkerThread(bus, backend, config).start()
+    stop = threading.Event()
+
+    def beat() -> None:  # another gateway lives: the heartbeat stream flows
+        while not stop.wait(0.05):
+            bus.publish(HEARTBEATS_TOPIC, encode(gateway("gw-other"))).result(5)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        client.send(make_request("orphan", max_tokens=100_000, reply_beats=True))
+        client.send(make_request("batch-like", max_tokens=150))
+        client.wait(lambda: {"orphan", "batch-like"} <= {u.request_id for u in client.usage}, 20)
+    finally:
+        stop.set()
+        worker.stop()
+    usage = {u.request_id: u for u in client.usage}
+    assert usage["orphan"].finish_reason == "abort" and "orphan" in backend.aborts
+    assert usage["orphan"].completion_tokens < 1000
+    assert usage["batch-like"].finish_reason == "length"
+    assert usage["batch-like"].completion_tokens == 150
