@@ -326,6 +326,9 @@ def bench_lora(
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32, the same on every side.")] = (
         "bfloat16"
     ),
+    reps: Annotated[
+        int | None, typer.Option(help="Interleaved reps of the three arms.", show_default="3")
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Four LoRA adapters batched in one engine vs the base model alone (goal >= 0.8x its
@@ -339,7 +342,7 @@ def bench_lora(
     except ImportError as exc:
         typer.echo(f"bench lora needs the test extra: pip install -e '.[test]' ({exc})", err=True)
         raise typer.Exit(2) from exc
-    result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir))
+    result = run(quick=quick, model=model, dtype=dtype, data_dir=str(settings.data_dir), reps=reps)
     emit(result, render, as_json)
 
 

@@ -10,6 +10,8 @@ one engine with `max_loras=4` (the adapters resident, every step mixing them), b
   (`merge_and_unload`), serving their quarter of the workload in turn (time-sliced: one
   engine's batch at a time, as a host with room for one model's working set would).
 Reps interleave the three arms; figures are medians, ratios per rep then the median.
+Each arm's CPU time (this process, every thread) is taken too, with the ratio of tokens
+per CPU second: on a host shared with other work, wall time measures the neighbours.
 Also timed: loading one adapter into a slot (read + copy, the cost of a miss).
 The default model is `sluice bench engine`'s (the tiny-llama preset at hidden 512, 8
 layers, random seeded weights); the adapters are made by peft beside it.
@@ -111,6 +113,7 @@ class Engine:
             )
         first: dict[str, float] = {}
         generated = 0
+        cpu0 = time.process_time()
         while self.core.has_unfinished():
             for d in self.core.step():
                 if d.error:
@@ -118,12 +121,14 @@ class Engine:
                 if d.token_ids:
                     generated += len(d.token_ids)
                     first.setdefault(d.request_id, time.perf_counter() - t0)
-        return run_figures(generated, time.perf_counter() - t0, first.values())
+        figures = run_figures(generated, time.perf_counter() - t0, first.values())
+        figures["cpu_s"] = time.process_time() - cpu0
+        return figures
 
 
 def _time_slices(engines: list[Engine], prompts: list[list[int]], outputs: list[int]) -> dict:
     """Each merged engine serves its quarter (requests i % 4 == k) in turn."""
-    generated, elapsed, ttfts = 0, 0.0, []
+    generated, elapsed, cpu_s, ttfts = 0, 0.0, 0.0, []
     for k, engine in enumerate(engines):
         part = range(k, len(prompts), len(engines))
         r = engine.run([prompts[i] for i in part], [outputs[i] for i in part])
@@ -131,7 +136,9 @@ def _time_slices(engines: list[Engine], prompts: list[list[int]], outputs: list[
         ttfts.append(r["ttft_ms"] / 1e3 + elapsed)
         generated += r["generated_tokens"]
         elapsed += r["elapsed_s"]
+        cpu_s += r["cpu_s"]
     figures = run_figures(generated, elapsed, ttfts)
+    figures["cpu_s"] = cpu_s
     figures["ttft_ms"] = round(figures["ttft_ms"], 1)
     return figures
 
@@ -157,7 +164,9 @@ def run(
     model: str | None = None,
     dtype: str = "bfloat16",
     data_dir: str | None = None,
+    reps: int | None = None,
 ) -> dict:
+    """`reps`: interleaved reps of the three arms (default 3, 1 with `quick`)."""
     apply_process_options(engine_options())  # this process is the benchmark's root
     torch.manual_seed(0)
     if model is None:
@@ -190,7 +199,7 @@ def run(
         engine.run(*warm)
 
     runs: dict[str, list[dict]] = {"lora": [], "base": [], "merged": []}
-    for _ in range(1 if quick else 3):
+    for _ in range(reps or (1 if quick else 3)):
         runs["lora"].append(lora.run(prompts, outputs, assigned))
         runs["base"].append(base.run(prompts, outputs))
         runs["merged"].append(_time_slices(merged, prompts, outputs))
@@ -206,10 +215,13 @@ def run(
         "ratios": {
             "lora_vs_base": _ratio(runs["lora"], runs["base"]),
             "lora_vs_merged_time_sliced": _ratio(runs["lora"], runs["merged"]),
+            "lora_vs_base_per_cpu_s": _ratio(runs["lora"], runs["base"], "tokens_per_cpu_s"),
+            "lora_vs_merged_per_cpu_s": _ratio(runs["lora"], runs["merged"], "tokens_per_cpu_s"),
         },
         "per_rep": {
             "lora_vs_base": _per_rep(runs["lora"], runs["base"]),
             "lora_vs_merged_time_sliced": _per_rep(runs["lora"], runs["merged"]),
+            "lora_vs_base_per_cpu_s": _per_rep(runs["lora"], runs["base"], "tokens_per_cpu_s"),
         },
         "goal": {"lora_vs_base": 0.8},
     }
@@ -218,17 +230,25 @@ def run(
 def _median(reps: list[dict]) -> dict:
     return {
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in reps), 1),
+        "tokens_per_cpu_s": round(statistics.median(_per_cpu_s(r) for r in reps), 1),
         "ttft_ms": round(statistics.median(r["ttft_ms"] for r in reps), 1),
         "elapsed_s": round(statistics.median(r["elapsed_s"] for r in reps), 2),
     }
 
 
-def _per_rep(a: list[dict], b: list[dict]) -> list[float]:
-    return [round(x["tokens_per_s"] / y["tokens_per_s"], 3) for x, y in zip(a, b, strict=True)]
+def _per_cpu_s(r: dict) -> float:
+    return float(r["generated_tokens"] / max(r["cpu_s"], 1e-9))
 
 
-def _ratio(a: list[dict], b: list[dict]) -> float:
-    return round(statistics.median(_per_rep(a, b)), 3)
+def _per_rep(a: list[dict], b: list[dict], key: str = "tokens_per_s") -> list[float]:
+    def value(r: dict) -> float:
+        return _per_cpu_s(r) if key == "tokens_per_cpu_s" else float(r[key])
+
+    return [round(value(x) / value(y), 3) for x, y in zip(a, b, strict=True)]
+
+
+def _ratio(a: list[dict], b: list[dict], key: str = "tokens_per_s") -> float:
+    return round(statistics.median(_per_rep(a, b, key)), 3)
 
 
 def render(result: dict) -> str:
@@ -236,7 +256,7 @@ def render(result: dict) -> str:
         f"Sluice LoRA benchmark  model={result['model']}  dtype={result['dtype']}  "
         f"{result['requests']} requests over {result['adapters']['count']} adapters "
         f"(rank {result['adapters']['rank']}, 7 projections)",
-        f"{'system':<34}{'tokens/s':>10}{'TTFT p50 ms':>13}{'elapsed s':>11}",
+        f"{'system':<34}{'tokens/s':>10}{'tok/CPU s':>11}{'TTFT p50 ms':>13}{'elapsed s':>11}",
     ]
     names = {
         "lora": "4 adapters, one engine (batched)",
@@ -245,13 +265,16 @@ def render(result: dict) -> str:
     }
     for key, figures in result["systems"].items():
         lines.append(
-            f"{names[key]:<34}{figures['tokens_per_s']:>10}{figures['ttft_ms']:>13}"
+            f"{names[key]:<34}{figures['tokens_per_s']:>10}{figures['tokens_per_cpu_s']:>11}"
+            f"{figures['ttft_ms']:>13}"
             f"{figures['elapsed_s']:>11}"
         )
     ratios = result["ratios"]
     lines.append(
         f"lora vs base {ratios['lora_vs_base']}x (goal >= 0.8x); lora vs merged time-sliced "
-        f"{ratios['lora_vs_merged_time_sliced']}x; adapter load (slowest) "
+        f"{ratios['lora_vs_merged_time_sliced']}x; per CPU second: vs base "
+        f"{ratios['lora_vs_base_per_cpu_s']}x, vs merged {ratios['lora_vs_merged_per_cpu_s']}x; "
+        f"adapter load (slowest) "
         f"{result['adapter_load_ms']} ms"
     )
     return "\n".join(lines)
@@ -264,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--data-dir", help="where the preset model is created (default ~/.sluice)")
+    ap.add_argument("--reps", type=int, help="interleaved reps (default 3; 1 with --quick)")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.model, args.dtype, args.data_dir)
+    result = run(args.quick, args.model, args.dtype, args.data_dir, args.reps)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
