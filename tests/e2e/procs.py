@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -109,3 +111,56 @@ def fleet_database(prefix: str) -> Iterator[str]:
         service_missing(f"PostgreSQL or Redis: {exc}")
     with pg_schema(prefix) as url:
         yield url
+
+
+@dataclass
+class UpStack:
+    """A running `sluice up` on the Tansu broker it started: its URL, process, bootstrap."""
+
+    base: str
+    proc: SluiceProcess
+    bootstrap: str
+
+    def pids(self, pattern: str) -> list[int]:
+        """The pids of its children whose command line holds `pattern`."""
+        assert self.proc.proc is not None
+        out = subprocess.run(
+            ["pgrep", "-f", "-s", str(self.proc.proc.pid), pattern],
+            capture_output=True,
+            text=True,
+        ).stdout
+        return [int(pid) for pid in out.split()]
+
+
+@contextmanager
+def sluice_up(args: list[str], log: Path, env: dict[str, str], redis_url: str) -> Iterator[UpStack]:
+    """`sluice up ARGS` (with `serving_args`' port) on a Tansu of its own (the test's
+    SLUICE_KAFKA_BOOTSTRAP dropped), ready; it must exit 0. Redis and Tansu missing fail
+    the test in CI and skip it elsewhere."""
+    import redis
+
+    from sluice.bus.errors import BusUnavailable
+    from sluice.settings import BusSettings, load_settings
+    from sluice.tansu import tansu_binary
+
+    try:
+        redis.Redis.from_url(redis_url, socket_timeout=2).ping()
+    except Exception as exc:
+        service_missing(f"Redis at {redis_url}: {exc}")
+    try:
+        tansu_binary(load_settings(BusSettings).tansu_bin)
+    except BusUnavailable as exc:
+        service_missing(str(exc))
+    port = int(args[args.index("--port") + 1])
+    proc = SluiceProcess(args, log, {"SLUICE_REDIS_URL": redis_url, **env})
+    proc.env.pop("SLUICE_KAFKA_BOOTSTRAP", None)
+    proc.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        found = re.search(r"started Tansu on (\S+)", proc.output())
+        assert found, proc.output()[-3000:]
+        yield UpStack(base, proc, found[1])
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.output()[-3000:]

@@ -7,9 +7,7 @@ streams untouched (one attempt each, the same text as before the kill)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -20,13 +18,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from sluice.bus.errors import BusUnavailable
 from sluice.engine.preset import write_tiny_llama
-from sluice.settings import BusSettings, load_settings
-from sluice.tansu import tansu_binary
-from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
+from tests.e2e.procs import API_KEY, SluiceProcess, UpStack, free_port, serving_args, sluice_up
 from tests.e2e.test_up_kafka import REDIS_URL, _usage_attempts
-from tests.services import service_missing
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -36,10 +30,7 @@ TOKENS = 120
 
 
 @dataclass
-class Fleet:
-    base: str
-    proc: SluiceProcess
-    bootstrap: str
+class Fleet(UpStack):
     env: dict[str, str]
     second: Path
 
@@ -49,33 +40,17 @@ class Fleet:
         )
 
     def worker_pids(self, model: str) -> list[int]:
-        assert self.proc.proc is not None
-        out = subprocess.run(
-            ["pgrep", "-f", "-s", str(self.proc.proc.pid), f"worker engine --model {model}"],
-            capture_output=True,
-            text=True,
-        ).stdout
-        return [int(pid) for pid in out.split()]
+        return self.pids(f"worker engine --model {model}")
 
 
 @pytest.fixture(scope="module")
 def fleet(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping()
-        tansu_binary(load_settings(BusSettings).tansu_bin)
-    except BusUnavailable as exc:
-        service_missing(str(exc))
-    except Exception as exc:
-        service_missing(f"Redis at {REDIS_URL}: {exc}")
     second = tmp_path_factory.mktemp("models") / SECOND
     second.mkdir()
     write_tiny_llama(second, seed=1)
-    port = free_port()
     log = tmp_path_factory.mktemp("pools") / "up.log"
     args = [
-        *serving_args("up", port, data_dir),
+        *serving_args("up", free_port(), data_dir),
         *("--model", "tiny-llama", "--model", str(second)),
         *("--pool", "tiny-llama=2", "--pool", f"{SECOND}=0"),
     ]
@@ -83,18 +58,8 @@ def fleet(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "SLUICE_REDIS_URL": REDIS_URL,
         "SLUICE_ENGINE_GROUP_ID": f"engine-pools-{uuid.uuid4().hex[:6]}",
     }
-    proc = SluiceProcess(args, log, env)
-    proc.env.pop("SLUICE_KAFKA_BOOTSTRAP", None)
-    proc.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
-        found = re.search(r"started Tansu on (\S+)", proc.output())
-        assert found, proc.output()[-3000:]
-        yield Fleet(base, proc, found[1], env, second)
-    finally:
-        code = proc.stop()
-    assert code == 0, proc.output()[-3000:]
+    with sluice_up(args, log, env, REDIS_URL) as up:
+        yield Fleet(up.base, up.proc, up.bootstrap, env, second)
 
 
 def _stream(client: openai.OpenAI, model: str, prompt: str, out: dict, ids: list[str]) -> None:

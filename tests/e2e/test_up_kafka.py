@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -21,15 +20,11 @@ import pytest
 
 from benchmarks.faults_infra import busiest, with_children
 from sluice.bus.codec import decode_as
-from sluice.bus.errors import BusUnavailable
 from sluice.bus.kafka import KafkaConfig, KafkaEventBus
 from sluice.bus.messages import UsageRecord
 from sluice.bus.topics import USAGE_TOPIC
-from sluice.settings import BusSettings, load_settings
-from sluice.tansu import tansu_binary
 from tests.e2e import sdk_checks
-from tests.e2e.procs import API_KEY, SluiceProcess, free_port, serving_args, wait_ready
-from tests.services import service_missing
+from tests.e2e.procs import API_KEY, UpStack, free_port, serving_args, sluice_up
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -37,63 +32,31 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
-class Stack:
-    def __init__(self, base: str, proc: SluiceProcess, bootstrap: str) -> None:
-        self.base = base
-        self.proc = proc
-        self.bootstrap = bootstrap
-
+class Stack(UpStack):
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
             base_url=f"{self.base}/v1", api_key=API_KEY, max_retries=0, timeout=120
         )
 
     def worker_pids(self) -> list[int]:
-        assert self.proc.proc is not None
-        out = subprocess.run(
-            ["pgrep", "-f", "-s", str(self.proc.proc.pid), "sluice worker engine"],
-            capture_output=True,
-            text=True,
-        ).stdout
-        return [int(pid) for pid in out.split()]
+        return self.pids("sluice worker engine")
 
 
 @pytest.fixture(scope="module")
 def stack(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """`sluice up` with the Tansu broker it starts itself (SLUICE_KAFKA_BOOTSTRAP unset)."""
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping()
-    except Exception as exc:
-        service_missing(f"Redis at {REDIS_URL}: {exc}")
-    try:
-        tansu_binary(load_settings(BusSettings).tansu_bin)
-    except BusUnavailable as exc:
-        service_missing(str(exc))
-    port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    args = [*serving_args("up", port, data_dir), "--engine-workers", "2"]
+    args = [*serving_args("up", free_port(), data_dir), "--engine-workers", "2"]
     env = {
-        "SLUICE_REDIS_URL": REDIS_URL,
         "SLUICE_ENGINE_GROUP_ID": f"engine-e2e-{uuid.uuid4().hex[:6]}",
         # a dropped stream is cancelled once its resume window passes: a short one, so
         # the disconnect test's request is still running then
         "SLUICE_STREAM_RESUME_WINDOW_S": "0.5",
     }
-    proc = SluiceProcess(args, log, env)
-    proc.env.pop("SLUICE_KAFKA_BOOTSTRAP", None)
-    proc.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
-        found = re.search(r"started Tansu on (\S+)", proc.output())
-        assert found, proc.output()[-3000:]
-        _wait_for_workers(Stack(base, proc, found[1]))
-        yield Stack(base, proc, found[1])
-    finally:
-        code = proc.stop()
-    assert code == 0, proc.output()[-3000:]
+    with sluice_up(args, log, env, REDIS_URL) as up:
+        stack = Stack(up.base, up.proc, up.bootstrap)
+        _wait_for_workers(stack)
+        yield stack
 
 
 def _wait_for_workers(stack: Stack) -> None:
