@@ -327,6 +327,9 @@ def serve(
         EngineWorkerSettings, **_engine(backend, upstream_url), **overrides
     )
     each = wiring.each_model(worker_settings)
+    if len(each) > 1 and worker_settings.engine_replicas is None:
+        # the models' engines share the host's cores already: one process each
+        each = [s.model_copy(update={"engine_replicas": 1}) for s in each]
     try:
         wiring.check_engines_fit(each)
     except SettingsError as exc:
