@@ -32,6 +32,12 @@ from sluice.engine.models.llama import LlamaConfig, interleave_rope_rows
 
 logger = logging.getLogger(__name__)
 
+# a step of at most this many rows computes its adapters' deltas on the engine thread
+# alone: waking torch's thread pool for a few-row matmul costs more than it saves, and its
+# spinning helpers contend with the decode kernels' threads (and stall whenever the host
+# is busy: a barrier waits for a helper that is not running)
+SERIAL_ROWS = 256
+
 # fused projection -> the Hugging Face modules it holds, in output order
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -227,6 +233,7 @@ class LoRAStep:
 
     weights: LoRAWeights
     onehot: torch.Tensor  # [rows, slots]: 1 where a row's slot is
+    serial: bool  # SERIAL_ROWS or fewer: the deltas on this thread alone
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -234,7 +241,7 @@ class LoRAStep:
         slots = torch.tensor(row_slots, dtype=torch.int64)
         onehot = torch.zeros((len(row_slots), weights.num_slots + 1), dtype=weights.dtype)
         onehot.scatter_(1, (slots + 1)[:, None], 1.0)  # column 0: the base rows
-        return cls(weights, onehot[:, 1:].contiguous())
+        return cls(weights, onehot[:, 1:].contiguous(), len(row_slots) <= SERIAL_ROWS)
 
     def mask(self, parts: int) -> torch.Tensor:
         m = self._masks.get(parts)
@@ -245,5 +252,14 @@ class LoRAStep:
     def add(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the LoRA delta of layer `layer`'s projection `name` at input x."""
         fused = self.weights.layers[layer][name]
-        if fused.active:
+        if not fused.active:
+            return
+        if not self.serial:
             fused.add(x, y, self.mask(len(fused.out_sizes)))
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # this thread's setting: a fraction of a µs each way
+        try:
+            fused.add(x, y, self.mask(len(fused.out_sizes)))
+        finally:
+            torch.set_num_threads(threads)

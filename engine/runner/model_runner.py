@@ -284,19 +284,9 @@ class ModelRunner:
             # the one-call decode plan has no adapters: a step with some runs layer by layer
             if inputs.meta.cpu_ops is not None and lora is None:
                 inputs.meta.decode_plan = self.decode_plan
-            # a decode step on the kernels keeps torch's thread pool asleep (its spinning
-            # helpers would contend with the kernels' threads): the adapters' few-row
-            # matmuls run on this thread alone
-            alone = lora is not None and inputs.meta.cpu_ops is not None and bool(self.decode_plan)
-            if alone:
-                torch.set_num_threads(1)
-            try:
-                hidden = self.model.forward(
-                    inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
-                )
-            finally:
-                if alone:
-                    torch.set_num_threads(self._step_threads)
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
+            )
             prompt = self._prompt_logprobs(inputs, hidden) if inputs.prompt_rows else None
             out = self._sample(inputs, hidden) if inputs.sampling else RunnerOutput()
         if prompt:
