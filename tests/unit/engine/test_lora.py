@@ -77,7 +77,8 @@ def make_core(loaded: LoadedModel, **overrides: Any) -> EngineCore:
     overrides.setdefault("num_kv_blocks", 96)
     overrides.setdefault("max_model_len", 128)
     overrides.setdefault("max_num_batched_tokens", 128)
-    config = EngineConfig(block_size=4, dtype="float32", **overrides)
+    overrides.setdefault("dtype", "float32")
+    config = EngineConfig(block_size=4, **overrides)
     return EngineCore(config, ModelRunner(loaded.model, config), eos_token_ids=[])
 
 
@@ -258,3 +259,39 @@ def test_an_engine_with_max_loras_0_refuses_adapters(
     core = make_core(loaded, max_loras=0)
     with pytest.raises(RequestRejectedError, match="max_loras=0"):
         core.add_request(EngineRequest("r", prompts[0], greedy(), lora_request=adapters[0]))
+
+
+def test_bf16_prompt_logprobs_with_an_adapter_track_peft(
+    model_dir: Path, adapters: list[LoRARequest], prompts: list[list[int]]
+) -> None:
+    """bf16 (the CPU kernels' path where the host has them): an adapter's prompt logprobs
+    stay as close to fp32 HF + PEFT as the base model's do to HF, and the adapter moves
+    them by far more than that."""
+    import peft
+    import transformers
+
+    lm = load_model(model_dir, dtype="bfloat16")
+    core = make_core(lm, dtype="bfloat16")
+    prompt = prompts[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    lora = adapters[0]
+
+    def ours(adapter: LoRARequest | None) -> torch.Tensor:
+        core.add_request(EngineRequest(f"p-{adapter}", prompt, params, lora_request=adapter))
+        entries = run(core)[f"p-{adapter}"][0].prompt_logprobs or []
+        return torch.tensor([e.logprob for e in entries if e is not None])
+
+    def reference(adapter: LoRARequest | None) -> torch.Tensor:
+        model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        if adapter is not None:
+            model = peft.PeftModel.from_pretrained(model, adapter.path)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+
+    base_error = (ours(None) - reference(None)).abs().max().item()
+    lora_error = (ours(lora) - reference(lora)).abs().max().item()
+    effect = (reference(lora) - reference(None)).abs().max().item()
+    assert lora_error <= 2 * base_error + 0.01
+    assert effect > 10 * lora_error
