@@ -11,9 +11,11 @@ costs the same few ops per projection:
     xa *= mask                       a row keeps only its own slot's columns (base: none)
     y += xa @ B_all                  B_all block-diagonal over the parts, [parts*rank*slots, out]
 
-Four ops per projection whatever the mix: a decode step's few rows pay per op, not per
-flop, so the zeros of the other slots' columns and of B_all's off-diagonal blocks cost
-less than grouping rows by adapter would (an op per adapter per projection).
+That is four ops per projection whatever the mix, for a step of few rows, which pays
+per op rather than per flop. A step of many rows pays for the other slots' columns
+(slots times the flops), so there the runner orders the step's requests by slot and each
+run of rows of one adapter does `y[run] += (x[run] @ A_slot^T) @ B_slot` on its slot's
+strided view of the same tensors (`LoRAStep.segments`).
 No merged weights: the base projections run as they do without adapters. The rank
 dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
 bigger adapters arrive, up to `max_lora_rank`.
@@ -114,6 +116,24 @@ class FusedLoRA:
             r = a.shape[0]
             a_view[:r] = a
             b_view[:r] = b.t()
+
+    def add_rows(self, x: torch.Tensor, y: torch.Tensor, slot: int, start: int, end: int) -> None:
+        """y[start:end] += slot `slot`'s delta of x[start:end]."""
+        if not self.targeted[slot]:
+            return
+        rows = len(self.out_sizes) * self.rank
+        # the slot's rows of A and B: every S-th row of the flat tensors (one stride)
+        a = self.a.view(rows, self.num_slots, self.in_features)[:, slot]
+        b = self.b.view(rows, self.num_slots, self.out_features)[:, slot]
+        xs = x[start:end]
+        if xs.dtype != self.dtype:
+            xs = xs.to(self.dtype)
+        xa = torch.mm(xs, a.t())
+        ys = y[start:end]
+        if ys.dtype == self.dtype:
+            ys.addmm_(xa, b)
+        else:
+            ys.add_(torch.mm(xa, b))
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
         """y += each row's own slot's delta (x: the projection's input, y: its output,
@@ -226,26 +246,46 @@ class LoRAWeights:
         return out
 
 
+# rows per run of one adapter from which a step computes per run rather than masked: a
+# run costs two or three ops per projection, the mask every slot's columns for each row
+SEGMENT_ROWS = 8
+
+
 @dataclass(slots=True)
 class LoRAStep:
-    """One step's adapters: `slots[i]` is the slot of flat row i (-1: the base model);
+    """One step's adapters, by flat row: either `segments`, the runs of rows of one slot
+    (start, end, slot), or `onehot` [rows, slots] (1 where a row's slot is), from which
     the per-width masks are built on first use by a layer and shared by the others."""
 
     weights: LoRAWeights
-    onehot: torch.Tensor  # [rows, slots]: 1 where a row's slot is
+    onehot: torch.Tensor | None
+    segments: list[tuple[int, int, int]] | None
     serial: bool  # SERIAL_ROWS or fewer: the deltas on this thread alone
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def for_rows(cls, weights: LoRAWeights, row_slots: list[int]) -> LoRAStep:
+        """`row_slots[i]`: the slot of flat row i (-1: the base model)."""
+        num_rows = len(row_slots)
+        serial = num_rows <= SERIAL_ROWS
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for i in range(1, num_rows + 1):
+            if i == num_rows or row_slots[i] != row_slots[start]:
+                if row_slots[start] >= 0:
+                    runs.append((start, i, row_slots[start]))
+                start = i
+        if num_rows >= SEGMENT_ROWS * len(runs):
+            return cls(weights, None, runs, serial)
         slots = torch.tensor(row_slots, dtype=torch.int64)
-        onehot = torch.zeros((len(row_slots), weights.num_slots + 1), dtype=weights.dtype)
+        onehot = torch.zeros((num_rows, weights.num_slots + 1), dtype=weights.dtype)
         onehot.scatter_(1, (slots + 1)[:, None], 1.0)  # column 0: the base rows
-        return cls(weights, onehot[:, 1:].contiguous(), len(row_slots) <= SERIAL_ROWS)
+        return cls(weights, onehot[:, 1:].contiguous(), None, serial)
 
     def mask(self, parts: int) -> torch.Tensor:
         m = self._masks.get(parts)
         if m is None:
+            assert self.onehot is not None
             m = self._masks[parts] = self.onehot.repeat(1, parts * self.weights.rank)
         return m
 
@@ -254,12 +294,15 @@ class LoRAStep:
         fused = self.weights.layers[layer][name]
         if not fused.active:
             return
-        if not self.serial:
-            fused.add(x, y, self.mask(len(fused.out_sizes)))
-            return
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # this thread's setting: a fraction of a µs each way
+        if self.serial:
+            torch.set_num_threads(1)  # this thread's setting: a fraction of a µs each way
         try:
-            fused.add(x, y, self.mask(len(fused.out_sizes)))
+            if self.segments is not None:
+                for start, end, slot in self.segments:
+                    fused.add_rows(x, y, slot, start, end)
+            else:
+                fused.add(x, y, self.mask(len(fused.out_sizes)))
         finally:
-            torch.set_num_threads(threads)
+            if self.serial:
+                torch.set_num_threads(threads)

@@ -266,6 +266,8 @@ class ModelRunner:
         failed = self._load_adapters(scheduler_output)
         if failed:
             scheduler_output = _without(scheduler_output, failed)
+        if self.lora_weights is not None:
+            scheduler_output = _by_adapter(scheduler_output)
         if scheduler_output.is_empty:
             return RunnerOutput(failed=failed)
         if self._prefill_threads is not None:
@@ -540,6 +542,22 @@ def _without(scheduler_output: SchedulerOutput, request_ids: dict[str, str]) -> 
     return SchedulerOutput(
         kept,
         sum(s.num_new_tokens for s in kept),
+        scheduler_output.preempted_request_ids,
+        scheduler_output.finished_request_ids,
+    )
+
+
+def _by_adapter(scheduler_output: SchedulerOutput) -> SchedulerOutput:
+    """The step with its requests ordered by adapter slot (the base first), so each
+    adapter's rows are runs (`LoRAStep.segments`); sampled tokens come out in this order."""
+    scheduled = scheduler_output.scheduled
+    slots = [-1 if s.request.lora_slot is None else s.request.lora_slot for s in scheduled]
+    order = sorted(range(len(scheduled)), key=slots.__getitem__)
+    if order == list(range(len(scheduled))):
+        return scheduler_output
+    return SchedulerOutput(
+        [scheduled[i] for i in order],
+        scheduler_output.num_batched_tokens,
         scheduler_output.preempted_request_ids,
         scheduler_output.finished_request_ids,
     )
