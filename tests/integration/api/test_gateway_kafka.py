@@ -74,8 +74,9 @@ def test_chat_stream_and_cancel_over_kafka(kafka_bus: KafkaEventBus) -> None:
             with http, streamed as r:
                 next(r.iter_lines())
                 worker.wait_for_requests(2, timeout_s=15)
-            [cancel] = worker.wait_for_cancels(1, timeout_s=15)
-            assert cancel.request_id == worker.requests[1][1].request_id
+            # sent again with the gateway's heartbeats while no delta answered it
+            cancels = worker.wait_for_cancels(1, timeout_s=15)
+            assert {c.request_id for c in cancels} == {worker.requests[1][1].request_id}
     finally:
         worker.stop()
 

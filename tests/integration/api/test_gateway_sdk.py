@@ -171,8 +171,9 @@ def test_websocket_close_cancels(server: ServerThread, engine: FakeEngineWorker)
         connection.response.create(model="tiny", input="Hi")
         assert connection.recv().type == "response.created"
         [req] = engine.wait_for_requests(1)
-    [cancel] = engine.wait_for_cancels(1)
-    assert cancel.request_id == req.request_id
+    # sent again with the gateway's heartbeats until the engine's terminal delta comes
+    cancels = engine.wait_for_cancels(1)
+    assert {c.request_id for c in cancels} == {req.request_id}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -194,9 +195,8 @@ def test_client_disconnect_cancels(
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/chat/completions", json=body, timeout=0.5)
             [req] = engine.wait_for_requests(1)
-    [cancel] = engine.wait_for_cancels(1)
-    assert cancel.request_id == req.request_id
-    assert cancel.reason == "client disconnected"
+    cancels = engine.wait_for_cancels(1)  # perhaps sent again before the terminal came
+    assert {(c.request_id, c.reason) for c in cancels} == {(req.request_id, "client disconnected")}
 
 
 def test_failover_stream_seen_once_by_the_sdk(
