@@ -4,8 +4,8 @@ The runner keeps one `LoRAWeights` (made when the first adapter loads) and, in a
 whose batch has rows of an adapter, hands the decoder layers a `LoRAStep`. For each
 fused projection (qkv, o, gate_up, down) every slot's A matrices are stacked rank-major
 into one `[parts * rank * slots, in]` tensor and the B matrices (scale folded in) into
-one `[rank * slots, out]` per part, so a step of any mix of adapters and the base model
-costs the same few ops per projection:
+one `[parts * rank * slots, out]`, zero outside each part's columns, so a step of any mix
+of adapters and the base model costs a few ops per projection:
 
     xa = x @ A_all^T                 every slot's low-rank input, [rows, parts*rank*slots]
     xa *= mask                       a row keeps only its own slot's columns (base: none)
