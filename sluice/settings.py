@@ -32,6 +32,7 @@ from sluice.settings_fields import (
     ENV_PREFIX,
     SECRET,
     SettingsBase,
+    comma_list,
     config_default,
     config_kwargs,
     from_config,
@@ -89,9 +90,7 @@ class CommonSettings(SettingsBase):
     @field_validator("metrics_peers", mode="before")
     @classmethod
     def _peers(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [p.strip() for p in value.split(",") if p.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("log_level")
     @classmethod
@@ -479,15 +478,12 @@ class GatewaySettings(Settings):
     @field_validator("api_keys", "ws_allowed_origins", mode="before")
     @classmethod
     def _keys(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _lora_modules(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [m.strip() for m in value.split(",") if m.strip()]
+        value = comma_list(value)
         checked = []
         for text in value:
             module = LoraModule.parse(text)  # ValueError names the entry

@@ -73,3 +73,11 @@ def config_kwargs(settings: BaseModel, cls: type) -> dict[str, Any]:
         if target is not None and target.startswith(prefix):
             kwargs[target.removeprefix(prefix)] = getattr(settings, setting)
     return kwargs
+
+
+def comma_list(value: Any) -> Any:
+    """A list setting given as one string: its comma-separated items, stripped, empty ones
+    dropped; anything else as it is (pydantic checks it)."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value

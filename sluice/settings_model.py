@@ -17,7 +17,7 @@ from pydantic_settings import NoDecode
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.options import EngineOptions
-from sluice.settings_fields import SECRET, SettingsBase, config_kwargs, from_config
+from sluice.settings_fields import SECRET, SettingsBase, comma_list, config_kwargs, from_config
 
 
 def _server_root(url: str) -> str:
@@ -169,8 +169,7 @@ class ModelSettings(SettingsBase):
     @field_validator("upstream_urls", mode="before")
     @classmethod
     def _upstream_urls(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [u.strip() for u in value.split(",") if u.strip()]
+        value = comma_list(value)
         if isinstance(value, list):
             # an OpenAI base URL (…/v1), as clients are configured, names the same server
             value = [_server_root(u) if isinstance(u, str) else u for u in value]
@@ -289,9 +288,7 @@ class ModelSettings(SettingsBase):
     @field_validator("models", mode="before")
     @classmethod
     def _models(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [m.strip() for m in value.split(",") if m.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("model_aliases", mode="before")
     @classmethod

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -38,7 +39,7 @@ from tests.e2e.batch_checks import (
     wait,
     wait_for_progress,
 )
-from tests.e2e.procs import SluiceProcess, free_port, serving_args, wait_ready
+from tests.e2e.procs import SluiceProcess, UpStack, free_port, serving_args, wait_ready
 from tests.services import service_missing
 from tests.waiting import wait_until
 
@@ -50,25 +51,12 @@ ENGINE_WORKER = "sluice worker engine"
 KILL_LINES, KILL_TOKENS = 400, 128
 
 
-class Fleet:
-    def __init__(self, base: str, proc: SluiceProcess, bootstrap: str, db_url: str) -> None:
-        self.base = base
-        self.proc = proc
-        self.bootstrap = bootstrap
-        self.db_url = db_url
+@dataclass
+class Fleet(UpStack):
+    db_url: str
 
     def client(self) -> openai.OpenAI:
         return sdk_client(self.base)
-
-    def pids(self, pattern: str) -> list[int]:
-        """`sluice up`'s children whose command line matches (they share its session)."""
-        assert self.proc.proc is not None
-        out = subprocess.run(
-            ["pgrep", "-f", "-s", str(self.proc.proc.pid), pattern],
-            capture_output=True,
-            text=True,
-        ).stdout
-        return [int(pid) for pid in out.split()]
 
 
 def _as_admin(statement: str) -> None:
