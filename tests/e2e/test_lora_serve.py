@@ -25,9 +25,16 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def adapters(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def own_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Not the session's shared data dir: the tenants this test creates would leave every
+    later `serve` on it accepting tenant keys only."""
+    return tmp_path_factory.mktemp("lora-data")
+
+
+@pytest.fixture(scope="module")
+def adapters(own_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.importorskip("peft")
-    model = ensure_tiny_llama(data_dir)
+    model = ensure_tiny_llama(own_data_dir)
     root = tmp_path_factory.mktemp("adapters")
     return {
         "model": model,
@@ -38,10 +45,10 @@ def adapters(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def base_url(
-    data_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    own_data_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     port = free_port()
-    args = [*serving_args("serve", port, data_dir), "--model", "tiny-llama"]
+    args = [*serving_args("serve", port, own_data_dir), "--model", "tiny-llama"]
     args += ["--lora", f"sql={adapters['sql']}"]
     log = tmp_path_factory.mktemp("lora") / "serve.log"
     proc = SluiceProcess(args, log, {"SLUICE_ADMIN_KEY": ADMIN_KEY}).start()
