@@ -64,10 +64,6 @@ class LanePoller:
         self._early_controls: list[Record] = []
         self.join_timeout_s = 30.0
 
-    def open(self) -> None:
-        self.open_control()
-        self.open_lanes()
-
     def open_control(self) -> None:
         """Join the control group; may run while the engine loads (a join takes the
         broker's rebalance delay, seconds a pool scaling from zero would wait on)."""

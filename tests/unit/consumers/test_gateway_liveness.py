@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from sluice.bus.codec import encode
 from sluice.bus.memory import MemoryEventBus
@@ -110,7 +112,10 @@ def test_reply_targets_that_never_beat_are_never_judged_and_ttl_0_judges_none() 
     assert off.gone() == set() and not off.due()
 
 
-def test_the_requests_of_a_gateway_that_stops_beating_are_cancelled_and_billed_so_far() -> None:
+@contextmanager
+def beating(gateway_id: str) -> Iterator[tuple[Client, RecordingSimBackend, threading.Event]]:
+    """A worker with a 0.3 s gateway ttl, and `gateway_id` beating every 0.05 s until the
+    yielded event is set: (client, backend, that event)."""
     bus = MemoryEventBus()
     create_topics(bus, request_partitions=1)
     client = Client(bus)
@@ -118,22 +123,26 @@ def test_the_requests_of_a_gateway_that_stops_beating_are_cancelled_and_billed_s
     config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.05,
                                 gateway_ttl_s=0.3)  # fmt: skip
     worker = WorkerThread(bus, backend, config).start()
-    stop_beating = threading.Event()
+    stop = threading.Event()
 
     def beat() -> None:
-        while not stop_beating.wait(0.05):
-            bus.publish(HEARTBEATS_TOPIC, encode(gateway(GATEWAY))).result(5)
+        while not stop.wait(0.05):
+            bus.publish(HEARTBEATS_TOPIC, encode(gateway(gateway_id))).result(5)
 
-    beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
+    threading.Thread(target=beat, daemon=True).start()
     try:
+        yield client, backend, stop
+    finally:
+        stop.set()
+        worker.stop()
+
+
+def test_the_requests_of_a_gateway_that_stops_beating_are_cancelled_and_billed_so_far() -> None:
+    with beating(GATEWAY) as (client, backend, stop_beating):
         client.send(make_request("long", max_tokens=100_000))
         client.wait(lambda: len(client.view.streams.get("long", _NONE).token_ids) >= 5)
         stop_beating.set()  # the gateway dies
         client.wait(lambda: any(u.request_id == "long" for u in client.usage), 10)
-    finally:
-        stop_beating.set()
-        worker.stop()
     assert "long" in backend.aborts
     [usage] = [u for u in client.usage if u.request_id == "long"]
     assert usage.finish_reason == "abort"
@@ -151,28 +160,11 @@ def test_a_beating_gateway_never_heard_is_gone_once_heartbeats_flow_for_the_ttl(
     """A worker started after a gateway died (a pool scaling up from zero) never heard
     it: its requests that say their gateway beats are cancelled after the ttl, billed for
     what ran; those of a reply target that sends no heartbeat (batches, bulk) run on."""
-    bus = MemoryEventBus()
-    create_topics(bus, request_partitions=1)
-    client = Client(bus)
-    backend = RecordingSimBackend(step_s=0.01)
-    config = EngineWorkerConfig(poll_timeout_s=0.02, tick_s=0.01, heartbeat_s=0.05,
-                                gateway_ttl_s=0.3)  # fmt: skip
-    worker = WorkerThread(bus, backend, config).start()
-    stop = threading.Event()
-
-    def beat() -> None:  # another gateway lives: the heartbeat stream flows
-        while not stop.wait(0.05):
-            bus.publish(HEARTBEATS_TOPIC, encode(gateway("gw-other"))).result(5)
-
-    beater = threading.Thread(target=beat, daemon=True)
-    beater.start()
-    try:
+    # another gateway lives: the heartbeat stream flows; GATEWAY never beats
+    with beating("gw-other") as (client, backend, _):
         client.send(make_request("orphan", max_tokens=100_000, reply_beats=True))
         client.send(make_request("batch-like", max_tokens=150))
         client.wait(lambda: {"orphan", "batch-like"} <= {u.request_id for u in client.usage}, 20)
-    finally:
-        stop.set()
-        worker.stop()
     usage = {u.request_id: u for u in client.usage}
     assert usage["orphan"].finish_reason == "abort" and "orphan" in backend.aborts
     assert usage["orphan"].completion_tokens < 1000
