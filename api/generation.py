@@ -177,7 +177,12 @@ class Generation:
         self.wait_until = wait_until  # time.monotonic() after which we stop waiting
         self.created = int(time.time())
         self._service = service
-        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        # the events not read yet, and the reader's wake-up while it waits for one: a
+        # deque and a bare future rather than asyncio.Queue under asyncio.timeout, whose
+        # futures, timer and loop look-ups per event are most of a stream's CPU at the
+        # gateway; an event waiting here is read without a timer
+        self._events: deque[StreamEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         # a resumable stream keeps every event read, so that a reader that took over
         # (`rewind`) reads them again from the first before the live ones
         self._log: list[_Kept] | None = None
@@ -194,7 +199,7 @@ class Generation:
     @property
     def pending(self) -> bool:
         """Events remain to be read (some choice unfinished, or events queued)."""
-        return bool(self._replay) or not self._queue.empty() or not all(t.done for t in self.tracks)
+        return bool(self._replay) or bool(self._events) or not all(t.done for t in self.tracks)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -260,7 +265,7 @@ class Generation:
             track.prompt_logprobs_taken = True
             prompt_logprobs = delta.prompt_logprobs
         if token_ids or text or delta.finish_reason is not None or prompt_logprobs:
-            self._queue.put_nowait(
+            self._put(
                 StreamEvent(
                     index=track.index,
                     text=text,
@@ -312,6 +317,8 @@ class Generation:
         Past the deadline (plus grace) the unfinished choices are cancelled on the bus
         and end with finish_reason "deadline".
         """
+        if self._events:
+            return self._events.popleft()
         timeout = max_wait_s
         now = time.monotonic()
         if self.wait_until is not None:
@@ -319,27 +326,44 @@ class Generation:
         gaps = [t.held_since + GAP_WAIT_S for t in self.tracks if t.held]
         if gaps:
             timeout = min(timeout, max(0.0, min(gaps) - now))
-        try:
-            # not asyncio.wait_for: on 3.11 it returns the result instead of raising when
-            # the caller is cancelled as the event arrives, and the cancelled stream would
-            # then wait for the next event (up to max_wait_s) while holding its slot
-            async with asyncio.timeout(timeout):
-                return await self._queue.get()
-        except TimeoutError:
-            self._release_stale_gaps()
-            if not self._queue.empty():
-                return self._queue.get_nowait()
-            if self.wait_until is None or time.monotonic() < self.wait_until:
-                return None
+        if timeout > 0:
+            await self._wait(timeout)
+            if self._events:
+                return self._events.popleft()
+        self._release_stale_gaps()
+        if self._events:
+            return self._events.popleft()
+        if self.wait_until is None or time.monotonic() < self.wait_until:
+            return None
         self.end("deadline", "deadline")
-        return self._queue.get_nowait()
+        return self._events.popleft()
+
+    async def _wait(self, timeout_s: float) -> None:
+        """Until an event is put or `timeout_s` passed. A bare future, not
+        asyncio.wait_for: on 3.11 that returns the result instead of raising when the
+        caller is cancelled as the event arrives; here the cancel is raised and the
+        event stays queued."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _put(self, event: StreamEvent) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None:
+            _wake(waiter)
 
     def end(self, finish: FinishReason, cancel_reason: str, error: str | None = None) -> None:
         """Cancel the unfinished choices on the bus and end them here with `finish`."""
         unfinished = [t for t in self.tracks if not t.done]
         self._service.cancel(self, reason=cancel_reason)
         for track in unfinished:
-            self._queue.put_nowait(StreamEvent(track.index, finish_reason=finish, error=error))
+            self._put(StreamEvent(track.index, finish_reason=finish, error=error))
 
     def abandon(self, reason: str = "client disconnected") -> None:
         """The caller went away: cancel whatever is still running."""
@@ -358,10 +382,15 @@ class Generation:
     def results(self) -> list[ChoiceResult]:
         """Every choice as taken so far, without waiting (a finished generation's answer)."""
         results = [ChoiceResult(index=t.index) for t in self.tracks]
-        while not self._queue.empty():
-            event = self._queue.get_nowait()
+        while self._events:
+            event = self._events.popleft()
             _add(results[event.index], event)
         return results
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _add(result: ChoiceResult, event: StreamEvent) -> None:

@@ -152,12 +152,12 @@ async def test_a_rewound_generation_reads_its_events_again_then_the_live_ones() 
     generation = _generation(Canceller())
     generation.keep_log()
     track = generation.tracks[0]
-    generation._queue.put_nowait(StreamEvent(0, "ab", [1, 2]))
+    generation._put(StreamEvent(0, "ab", [1, 2]))
     first = await generation.next_event(1.0)
     assert first is not None and generation.read_tokens == [2]
     generation.rewind()
     assert generation.read_tokens == [0]
-    generation._queue.put_nowait(StreamEvent(0, "c", [3], finish_reason="stop"))
+    generation._put(StreamEvent(0, "c", [3], finish_reason="stop"))
     track.done = True
     again = await generation.next_event(1.0)
     live = await generation.next_event(1.0)
@@ -173,7 +173,7 @@ async def test_a_rewound_generation_reads_its_logprobs_again_as_they_were() -> N
     generation.keep_log()
     top = [TopLogprob(token_id=t, logprob=-0.1 * t - 1 / 3) for t in range(20)]
     logprobs = [TokenLogprob(token_id=7, logprob=-0.123456789012345, top=top)]
-    generation._queue.put_nowait(StreamEvent(0, "a", [7], logprobs=logprobs))
+    generation._put(StreamEvent(0, "a", [7], logprobs=logprobs))
     first = await generation.next_event(1.0)
     for _ in range(2):  # a second reader takes over from the first that took over
         generation.rewind()

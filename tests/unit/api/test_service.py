@@ -267,11 +267,13 @@ def test_a_stream_cancelled_as_its_event_arrives_stays_cancelled() -> None:
         service: Any = object()  # next_event never calls the service without a deadline
         generation = Generation([Track(0, "r1")], tenant_id="t", wait_until=None, service=service)
         reader = asyncio.create_task(generation.next_event(120.0))
-        await asyncio.sleep(0)  # the reader waits on the queue
-        generation._queue.put_nowait(StreamEvent(0, text="x"))  # the event arrives...
+        await asyncio.sleep(0)  # the reader waits for an event
+        generation._put(StreamEvent(0, text="x"))  # the event arrives...
         reader.cancel()  # ...as the reader is cancelled
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(reader, 1.0)
+        event = await generation.next_event(1.0)  # the event stays for the next read
+        assert event is not None and event.text == "x"
 
     asyncio.run(scenario())
 
