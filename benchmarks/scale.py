@@ -12,7 +12,11 @@ Each row also counts the tokens that requests which ended with "length" never de
 (`tokens_short`: a delta lost on the way; the gateway logs "gap in deltas").
 
 Then the gateway's capacity: 4 workers with room for every stream (max_num_seqs and the
-worker's in-engine cap raised above the level), the closed loop raised level by level.
+worker's in-engine cap raised above the level), each stream paced at a reading rate
+(`PROBE_STREAM_TOKENS_PER_S`: the sim's steps take at least 1/rate s), the closed loop
+raised level by level. Unpaced, the default preset gives each of a few streams ~160
+tokens/s, so the probe would measure how many tokens/s the host carries, not how many
+streams one gateway holds.
 Added latency per request is its TTFT minus the engine's own part, read from the
 worker's telemetry (engine submit → first token: the sim's modelled prefill and the wait
 for its step in progress): what the gateway, the bus and the worker's admission add.
@@ -57,7 +61,8 @@ POOL = pool_id("tiny-llama")  # the workers' model (SLUICE_MODEL below): its lan
 TENANTS = 64  # a tenant's requests share a partition: many tenants spread the load
 PROMPT_LEN = (128, 512)
 OUTPUT_LEN = (64, 192)
-PROBE_LEVELS = (10, 25, 50, 100, 250, 500, 1000, 2000)
+PROBE_LEVELS = (10, 25, 100, 250, 500, 1000, 2000, 4000)
+PROBE_STREAM_TOKENS_PER_S = 20.0  # a stream's pace in the probe: faster than people read
 TARGETS = {"scale_ratio_4_min": 3.4, "probe_added_ttft_p99_ms_max": 50.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TAP_MAX_WAIT_MS = 200
@@ -75,7 +80,7 @@ class Plan:
 
 def plan(quick: bool) -> Plan:
     if quick:
-        return Plan(ramp_s=4.0, window_s=12.0, rounds=1, levels=PROBE_LEVELS[1:5])
+        return Plan(ramp_s=4.0, window_s=12.0, rounds=1, levels=PROBE_LEVELS[2:7])
     return Plan(ramp_s=4.0, window_s=10.0, rounds=3, levels=PROBE_LEVELS)
 
 
@@ -270,6 +275,9 @@ def measure(windows: Sequence[Window], streams: int) -> dict[str, Any]:
     ]
     cpu_s = {k: sum(w.cpu_s[k] for w in windows) for k in windows[0].cpu_s}
     gateway_s = cpu_s["gateway"]
+    # CPU per output token: the pipeline's cost, whatever the rate (`gateway` includes
+    # this process's load generator: its closed loop's tasks read every event)
+    per_token = {f"{k}_us_per_token": round(1e6 * v / max(tokens, 1), 1) for k, v in cpu_s.items()}
     return {
         "streams": streams,
         "rounds": len(windows),
@@ -282,6 +290,7 @@ def measure(windows: Sequence[Window], streams: int) -> dict[str, Any]:
         "requests_short": sum(n > 0 for n in short),
         "tokens_short": sum(short),
         **{f"{k}_cores": round(v / span, 3) for k, v in cpu_s.items()},
+        **per_token,
         "gateway_cpu_s_per_1000_streams": round(1000 * gateway_s / max(ended, 1), 2),
         "gateway_cores_per_1000_concurrent": round(1000 * gateway_s / span / streams, 3),
     }
@@ -421,10 +430,15 @@ def _by_worker(
 
 
 async def probe_run(cfg: Config, plan_: Plan) -> dict[str, Any]:
-    """Levels of concurrent streams over 4 roomy workers until p99 added TTFT > 50 ms,
-    each level on a fresh stage."""
+    """Levels of concurrent streams over 4 roomy workers, each stream paced at
+    `PROBE_STREAM_TOKENS_PER_S`, until p99 added TTFT > 50 ms, each level on a fresh
+    stage."""
     room = str(max(plan_.levels))
-    env = {"SLUICE_MAX_NUM_SEQS": room, "SLUICE_MAX_IN_ENGINE": room}
+    env = {
+        "SLUICE_MAX_NUM_SEQS": room,
+        "SLUICE_MAX_IN_ENGINE": room,
+        "SLUICE_SIM_MIN_STEP_MS": str(1000.0 / PROBE_STREAM_TOKENS_PER_S),
+    }
     limit = TARGETS["probe_added_ttft_p99_ms_max"]
     rows: list[dict[str, Any]] = []
     for level in plan_.levels:
@@ -534,6 +548,7 @@ def run(
         backend=backend,
         sim_preset=sim_preset or os.environ.get("SLUICE_SIM_PRESET", "the workers' default"),
         max_num_seqs=max_num_seqs,
+        probe_stream_tokens_per_s=PROBE_STREAM_TOKENS_PER_S,
         tenants=TENANTS,
         prompt_len=list(PROMPT_LEN),
         output_len=list(OUTPUT_LEN),
@@ -552,7 +567,7 @@ def render(result: dict[str, Any]) -> str:
         f" max_num_seqs {result['max_num_seqs']}, {result['cores']} cores",
         f"{'workers':>7} {'streams':>7} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p99':>8}"
         f" {'scale':>6} {'gw cores':>8} {'gw cpu-s/1k':>11} {'workers':>8} {'broker':>7}"
-        f" {'short':>6}",
+        f" {'gw+wkr us/tok':>13} {'broker':>6} {'short':>6}",
     ]
     for r in result["sizes"]:
         lines.append(
@@ -560,15 +575,19 @@ def render(result: dict[str, Any]) -> str:
             f" {r['requests_per_s']:>7.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f}"
             f" {r['scale_ratio']:>5.2f}x {r['gateway_cores']:>8.2f}"
             f" {r['gateway_cpu_s_per_1000_streams']:>11.2f} {r['workers_cores']:>8.2f}"
-            f" {r['broker_cores']:>7.2f} {r['tokens_short']:>6}"
+            f" {r['broker_cores']:>7.2f}"
+            f" {r['gateway_us_per_token'] + r['workers_us_per_token']:>13.1f}"
+            f" {r['broker_us_per_token']:>6.1f} {r['tokens_short']:>6}"
         )
     lines.append(
-        "short: tokens a request that ended never got. Gateway capacity, 4 roomy workers"
-        " (added TTFT: TTFT - engine submit→first token)"
+        "short: tokens a request that ended never got; us/tok: CPU µs per output token."
+        f" Gateway capacity, 4 roomy workers, streams at {PROBE_STREAM_TOKENS_PER_S:.0f}"
+        " tok/s (added TTFT: TTFT - engine submit→first token)"
     )
     lines.append(
         f"{'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'engine p99':>10}"
         f" {'added p50':>9} {'p99':>8} {'to wkr p99':>10} {'to client p99':>13} {'gw cores':>8}"
+        f" {'gw us/tok':>9}"
     )
     for r in result["probe"]["levels"]:
         lines.append(
@@ -576,7 +595,7 @@ def render(result: dict[str, Any]) -> str:
             f" {r['ttft_p99_ms']:>8.1f} {r['engine_ttft_p99_ms']:>10.1f}"
             f" {r['added_ttft_p50_ms']:>9.1f} {r['added_ttft_p99_ms']:>8.1f}"
             f" {r['to_worker_p99_ms']:>10.1f} {r['to_client_p99_ms']:>13.1f}"
-            f" {r['gateway_cores']:>8.2f}"
+            f" {r['gateway_cores']:>8.2f} {r['gateway_us_per_token']:>9.1f}"
         )
     for r in result["sizes"]:
         shares = ", ".join(
@@ -593,7 +612,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
     parser.add_argument(
-        "--quick", action="store_true", help="one 12 s round per size, probe from 25 (~4 min)"
+        "--quick", action="store_true", help="one 12 s round per size, probe from 100 (~5 min)"
     )
     parser.add_argument("--kafka", default=None, help="Kafka bootstrap; default: start a Tansu")
     parser.add_argument("--data-dir", default=None, type=Path, help="where tiny-llama lives")

@@ -137,6 +137,12 @@ class ModelSettings(SettingsBase):
         default="h200-llama3.1-8b-fp8",
         description="the GPU and model the sim backend models (engine.backends.sim_backend)",
     )
+    sim_min_step_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="the sim backend's shortest step (ms): each stream gets at most"
+        " 1000 / this tokens/s whatever the batch; 0: the preset's latency model alone",
+    )
     upstream_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="the upstream backend's engine servers (vLLM, trtllm-serve, SGLang,"

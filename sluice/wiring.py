@@ -406,8 +406,9 @@ def build_backend(
 
 def build_sim_backend(settings: Settings) -> SimEngineBackend:
     """The sim backend for SLUICE_SIM_PRESET, serving the configured model's tokenizer and
-    max_model_len (the gateway tokenizes as usual); SLUICE_MAX_NUM_SEQS and
-    SLUICE_MAX_NUM_BATCHED_TOKENS override the preset's only when set."""
+    max_model_len (the gateway tokenizes as usual); SLUICE_MAX_NUM_SEQS,
+    SLUICE_MAX_NUM_BATCHED_TOKENS and SLUICE_SIM_MIN_STEP_MS override the preset's only
+    when set."""
     from sluice.engine.backends.sim_backend import SIM_PRESETS, SimEngineBackend
     from sluice.engine.model_files import load_tokenizer
 
@@ -417,11 +418,13 @@ def build_sim_backend(settings: Settings) -> SimEngineBackend:
             f"SLUICE_SIM_PRESET={settings.sim_preset!r} is not a sim preset; "
             f"use one of {', '.join(sorted(SIM_PRESETS))}"
         )
-    shape = {
+    shape: dict[str, object] = {
         name: getattr(settings, name)
         for name in ("max_num_seqs", "max_num_batched_tokens")
         if name in settings.model_fields_set
     }
+    if settings.sim_min_step_ms:
+        shape["min_step_ms"] = settings.sim_min_step_ms
     if shape:
         preset = preset.replace(**shape)
     path = model_dir(settings)

@@ -42,11 +42,21 @@ class SimPreset:
     # free, allocated at once, so nothing is ever preempted (TensorRT-LLM's default
     # GUARANTEED_NO_EVICT); False: allocate as tokens come and preempt when full (vLLM)
     reserve_max_tokens: bool = False
+    # a floor on a non-empty step's time: paces every stream at no more than
+    # 1000 / min_step_ms tokens/s whatever the batch (a GPU shared with other work, or a
+    # larger model's pace), so that a load test can hold many streams at a rate a person
+    # reads at without the sum of their tokens exceeding what the host can carry
+    min_step_ms: float = 0.0
 
     def step_time_s(self, num_seqs: int, num_tokens: int, num_kv_tokens: int, pairs: int) -> float:
         """The modelled time of one step; 0 for an empty one."""
         if num_seqs == 0:
             return 0.0
+        return max(
+            self.min_step_ms * 1e-3, self._roofline_s(num_seqs, num_tokens, num_kv_tokens, pairs)
+        )
+
+    def _roofline_s(self, num_seqs: int, num_tokens: int, num_kv_tokens: int, pairs: int) -> float:
         return (
             self.base_ms * 1e-3
             + self.per_seq_us * 1e-6 * num_seqs

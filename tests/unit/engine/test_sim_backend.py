@@ -69,6 +69,14 @@ def test_decode_step_time_grows_with_batch_and_context() -> None:
     assert PRESET.step_time_s(0, 0, 0, 0) == 0.0
 
 
+def test_a_minimum_step_time_floors_small_steps_only() -> None:
+    paced = PRESET.replace(min_step_ms=50.0)
+    assert paced.step_time_s(1, 1, 5, 0) == pytest.approx(0.050)
+    big = (2048, 8192, 10_000_000, 0)  # a step the roofline makes longer than the floor
+    assert paced.step_time_s(*big) == PRESET.step_time_s(*big) > 0.050
+    assert paced.step_time_s(0, 0, 0, 0) == 0.0
+
+
 def test_prompts_are_chunked_to_the_token_budget() -> None:
     core = make_core()
     core.add(EngineRequest("long", list(range(1, 601)), params(2)))

@@ -383,3 +383,17 @@ def test_every_backend_tokenizes_the_default_gguf_as_the_gateway_does(
     for backend in (build_upstream_backend(settings), build_sim_backend(settings)):
         assert backend.tokenizer.encode(text, add_special_tokens=False) == want
         assert backend.max_model_len == served_model(settings).max_model_len
+
+
+def test_the_sim_backend_takes_its_minimum_step_from_the_settings(
+    gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sluice.wiring import build_sim_backend
+
+    monkeypatch.setenv("SLUICE_MODEL", str(gguf))
+    monkeypatch.setenv("SLUICE_DATA_DIR", str(tmp_path))
+    assert build_sim_backend(load_settings(Settings)).preset.min_step_ms == 0.0
+    monkeypatch.setenv("SLUICE_SIM_MIN_STEP_MS", "50")
+    backend = build_sim_backend(load_settings(Settings))
+    assert backend.preset.min_step_ms == 50.0
+    assert backend.preset.step_time_s(1, 1, 1, 0) == pytest.approx(0.050)
