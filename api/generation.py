@@ -131,6 +131,7 @@ def _client_error(request_id: str, delta: TokenDelta) -> str | None:
 # adapter: `bus.kafka._OffsetGaps`)
 MAX_HELD = 256
 GAP_WAIT_S = 2.0
+_TIMER_SLACK_S = 0.001  # the loop runs a timer up to its clock's resolution early
 
 
 def accept(track: Track, delta: TokenDelta) -> bool:
@@ -183,6 +184,11 @@ class Generation:
         # gateway; an event waiting here is read without a timer
         self._events: deque[StreamEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # one timer per generation, moved on lazily (`_on_timer`), rather than one per
+        # wait: a timer armed and cancelled per event costs the loop's heap more than
+        # the rest of the event's handling
+        self._due = 0.0  # loop time at which a waiting reader is woken without an event
+        self._timer: asyncio.TimerHandle | None = None
         # a resumable stream keeps every event read, so that a reader that took over
         # (`rewind`) reads them again from the first before the live ones
         self._log: list[_Kept] | None = None
@@ -309,6 +315,10 @@ class Generation:
             self.read_finished[event.index] |= event.finish_reason is not None
             if self._log is not None:
                 self._log.append(kept if kept is not None else _Kept.of(event))
+            last = event.finish_reason is not None and not self.pending
+            if last and self._timer is not None:  # no more waits: let it go now
+                self._timer.cancel()
+                self._timer = None
         return event
 
     async def _next_live(self, max_wait_s: float) -> StreamEvent | None:
@@ -344,13 +354,29 @@ class Generation:
         caller is cancelled as the event arrives; here the cancel is raised and the
         event stays queued."""
         loop = asyncio.get_running_loop()
+        self._due = loop.time() + timeout_s
+        if self._timer is None or self._timer.when() > self._due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self._due, self._on_timer)
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _wake, waiter)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _on_timer(self) -> None:
+        """Wake the waiting reader once its wait is over; a wait that began since the
+        timer was armed ends later: the timer moves on to it."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None:
+            return
+        loop = waiter.get_loop()
+        if loop.time() >= self._due - _TIMER_SLACK_S:
+            _wake(waiter)
+        else:
+            self._timer = loop.call_at(self._due, self._on_timer)
 
     def _put(self, event: StreamEvent) -> None:
         self._events.append(event)

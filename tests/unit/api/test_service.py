@@ -278,6 +278,30 @@ def test_a_stream_cancelled_as_its_event_arrives_stays_cancelled() -> None:
     asyncio.run(scenario())
 
 
+def test_a_wait_ends_quietly_at_its_own_time_whatever_an_earlier_wait_armed() -> None:
+    """One timer serves a generation's waits: a wait longer than the one that armed it
+    must not end at the earlier time, and a shorter one must not outlast its own."""
+
+    async def scenario() -> None:
+        service: Any = object()
+        generation = Generation([Track(0, "r1")], tenant_id="t", wait_until=None, service=service)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(generation.next_event(0.05))
+        await asyncio.sleep(0)
+        generation._put(StreamEvent(0, text="x"))
+        assert (await reader) == StreamEvent(0, text="x")
+        start = loop.time()
+        assert await generation.next_event(0.2) is None  # outlives the 0.05 s timer
+        assert loop.time() - start >= 0.2 - 0.002
+        reader = asyncio.create_task(generation.next_event(60.0))  # arms it for 60 s
+        await asyncio.sleep(0)
+        generation._put(StreamEvent(0, text="y"))
+        assert (await reader) == StreamEvent(0, text="y")
+        assert await asyncio.wait_for(generation.next_event(0.01), 1.0) is None
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_taken_over_reads_the_other_gateways_replies_from_the_first() -> None:
     """gw1 died after its request's first deltas; gw2 adopts it: nothing is published,
     every delta comes from gw1's reply topic, earlier ones included, and gw2's
