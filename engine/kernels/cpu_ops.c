@@ -47,6 +47,7 @@ enum {
     SLUICE_E_SLOT = -5,    /* a slot to write outside the cache */
     SLUICE_E_REQUEST = -6, /* a row's request outside the block table's rows */
     SLUICE_E_POS = -7,     /* a position outside the RoPE table */
+    SLUICE_E_ADAPTER = -8, /* a row's adapter slot outside the slots */
 };
 
 /* unsigned compares: a negative id is out of range too */
@@ -1223,6 +1224,202 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
     return SLUICE_OK;
 }
 
+/* ---- sluice_lora_add: LoRA adapters' deltas, y += (x . A_slot^T) . B_slot a row ----
+
+   One fused projection's adapters, every slot, as engine/models/lora.py stacks them: A
+   [P, R, S, K] and B [P, R, S, N] fp32, part p's B zero outside its columns [off[p],
+   off[p] + width[p]) and the scale folded in. Each row has a slot (-1: the base model,
+   no delta). Rows are taken in blocks of up to 4 consecutive rows of one slot (the runner
+   orders a step's rows by slot), so each row of A and B is read once a block; the low-rank
+   products xa stay fp32, as torch's fp32 matmuls of the same tensors keep them. AVX2 + FMA
+   (the library's baseline), or 16 lanes with `wide` on a CPU with AVX-512F. */
+#define LORA_COLS 1024 /* parts * rank at most (checked by the bindings) */
+#define LORA_TARGET __attribute__((target("avx512f")))
+
+typedef struct {
+    const float *a, *b;
+    const uint8_t *targeted; /* [S]: whether slot s's adapter has this projection */
+    int64_t parts, rank, slots, K, N;
+    int64_t off[4], width[4];
+    int32_t wide;
+} dl_lora;
+
+/* xa[m][c] = x[m] . A row c, for the block's mb rows; A rows `stride` apart */
+static inline void lora_down(const float *A, int64_t stride, int64_t cols, const float *x,
+                             int64_t K, const int mb, float *xa) {
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int64_t c = 0; c < cols; c++) {
+        const float *w = A + c * stride;
+        __m256 acc[4];
+        for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K8; k += 8) {
+            __m256 wv = _mm256_loadu_ps(w + k);
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
+        }
+        for (int m = 0; m < mb; m++) {
+            float s = hsum(acc[m]);
+            for (int64_t k = K8; k < K; k++) s += w[k] * x[m * K + k];
+            xa[m * LORA_COLS + c] = s;
+        }
+    }
+}
+
+/* y[m][0:width] += sum_r xa[m][r] * B row r, B rows `stride` apart */
+static inline void lora_up(const float *B, int64_t stride, int64_t R, const float *xa,
+                           int64_t width, float *y, int64_t N, const int mb) {
+    const int64_t W8 = width & ~(int64_t)7;
+    for (int64_t n = 0; n < W8; n += 8) {
+        __m256 acc[4];
+        for (int m = 0; m < mb; m++) acc[m] = _mm256_loadu_ps(y + m * N + n);
+        for (int64_t r = 0; r < R; r++) {
+            __m256 bv = _mm256_loadu_ps(B + r * stride + n);
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+        }
+        for (int m = 0; m < mb; m++) _mm256_storeu_ps(y + m * N + n, acc[m]);
+    }
+    for (int64_t n = W8; n < width; n++)
+        for (int m = 0; m < mb; m++) {
+            float s = y[m * N + n];
+            for (int64_t r = 0; r < R; r++) s += xa[m * LORA_COLS + r] * B[r * stride + n];
+            y[m * N + n] = s;
+        }
+}
+
+LORA_TARGET static inline void lora_down_wide(const float *A, int64_t stride, int64_t cols,
+                                              const float *x, int64_t K, const int mb,
+                                              float *xa) {
+    for (int64_t c = 0; c < cols; c++) {
+        const float *w = A + c * stride;
+        __m512 acc[4];
+        for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
+            __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * K + k), acc[m]);
+        }
+        for (int m = 0; m < mb; m++) xa[m * LORA_COLS + c] = _mm512_reduce_add_ps(acc[m]);
+    }
+}
+
+LORA_TARGET static inline void lora_up_wide(const float *B, int64_t stride, int64_t R,
+                                            const float *xa, int64_t width, float *y, int64_t N,
+                                            const int mb) {
+    for (int64_t n = 0; n < width; n += 16) {
+        const __mmask16 mk =
+            n + 16 <= width ? (__mmask16)0xffff : (__mmask16)((1u << (width % 16)) - 1);
+        __m512 acc[4];
+        for (int m = 0; m < mb; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N + n);
+        for (int64_t r = 0; r < R; r++) {
+            __m512 bv = _mm512_maskz_loadu_ps(mk, B + r * stride + n);
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+        }
+        for (int m = 0; m < mb; m++) _mm512_mask_storeu_ps(y + m * N + n, mk, acc[m]);
+    }
+}
+
+/* rows [m0, m0 + mb) of slot s: fp32 x [.., K] and y [.., N] (added to) */
+static void lora_block(const dl_lora *L, const float *x, float *y, int64_t m0, int mb,
+                       int64_t s) {
+    float xa[4 * LORA_COLS];
+    const int64_t K = L->K, N = L->N, R = L->rank, S = L->slots;
+    const int64_t cols = L->parts * R;
+    const float *A = L->a + s * K;
+    x += m0 * K;
+    y += m0 * N;
+#define LORA_ROWS(down, up, MB)                                                            \
+    do {                                                                                   \
+        down(A, S * K, cols, x, K, MB, xa);                                                \
+        for (int64_t p = 0; p < L->parts; p++)                                             \
+            up(L->b + (p * R * S + s) * N + L->off[p], S * N, R, xa + p * R, L->width[p], \
+               y + L->off[p], N, MB);                                                      \
+    } while (0)
+#define LORA_MB(down, up)                          \
+    switch (mb) {                                  \
+        case 1: LORA_ROWS(down, up, 1); break;     \
+        case 2: LORA_ROWS(down, up, 2); break;     \
+        case 3: LORA_ROWS(down, up, 3); break;     \
+        default: LORA_ROWS(down, up, 4); break;    \
+    }
+    if (L->wide) {
+        LORA_MB(lora_down_wide, lora_up_wide);
+    } else {
+        LORA_MB(lora_down, lora_up);
+    }
+#undef LORA_MB
+#undef LORA_ROWS
+}
+
+typedef struct {
+    const dl_lora *L;
+    const float *x;
+    float *y;
+    const int64_t *blocks; /* block b: rows [blocks[3b], blocks[3b + 1]) of slot blocks[3b + 2] */
+} lora_job;
+
+static void lora_chunk(void *ctx, int64_t c) {
+    const lora_job *j = ctx;
+    const int64_t *b = j->blocks + 3 * c;
+    lora_block(j->L, j->x, j->y, b[0], (int)(b[1] - b[0]), b[2]);
+}
+
+/* fp32 x [M, K], y [M, N] += each row's delta; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
+static int lora_apply(const dl_lora *L, const float *x, float *y, int64_t M,
+                      const int64_t *row_slots, int threads) {
+    for (int64_t m = 0; m < M; m++)
+        if (row_slots[m] < -1 || row_slots[m] >= L->slots) return SLUICE_E_ADAPTER;
+    if (!L->a) return SLUICE_OK;
+    int64_t *blocks = malloc(3 * M * sizeof(int64_t)), n = 0;
+    if (!blocks) return SLUICE_E_NOMEM;
+    for (int64_t m = 0, e; m < M; m = e) {
+        const int64_t s = row_slots[m];
+        for (e = m + 1; e < M && e - m < 4 && row_slots[e] == s;) e++;
+        if (s >= 0 && L->targeted[s]) {
+            blocks[3 * n] = m, blocks[3 * n + 1] = e, blocks[3 * n + 2] = s;
+            n++;
+        }
+    }
+    lora_job job = {L, x, y, blocks};
+    if (threads > 1 && n > 1) {
+        parallel_for(lora_chunk, &job, n, threads);
+    } else {
+        for (int64_t c = 0; c < n; c++) lora_chunk(&job, c);
+    }
+    free(blocks);
+    return SLUICE_OK;
+}
+
+/* `lora_apply` on x and y fp32 or bf16 (`x_bf16`, `y_bf16`), each [M, K] / [M, N]
+   contiguous: a bf16 x is widened exactly, and a bf16 y gets the fp32 delta added then
+   rounded once, as torch adds an fp32 product into a bf16 tensor. */
+int sluice_lora_add(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
+                    int64_t M, const int64_t *row_slots, int threads) {
+    if (M < 1 || threads < 1 || L->parts < 1 || L->parts > 4 || L->parts * L->rank > LORA_COLS)
+        return SLUICE_E_ARGS;
+    const int64_t K = L->K, N = L->N;
+    float *xf = x_bf16 ? malloc(M * K * sizeof(float)) : NULL;
+    float *yf = y_bf16 ? calloc(M * N, sizeof(float)) : NULL;
+    if ((x_bf16 && !xf) || (y_bf16 && !yf)) {
+        free(xf);
+        free(yf);
+        return SLUICE_E_NOMEM;
+    }
+    if (xf)
+        for (int64_t i = 0; i < M * K; i++) xf[i] = widen1(((const uint16_t *)x)[i]);
+    int rc = lora_apply(L, xf ? xf : x, yf ? yf : y, M, row_slots, threads);
+    if (yf && rc == SLUICE_OK) {
+        uint16_t *yb = y;
+        for (int64_t i = 0; i < M * N; i++)
+            if (yf[i] != 0.0f) yb[i] = round_bf16(widen1(yb[i]) + yf[i]);
+    }
+    free(xf);
+    free(yf);
+    return rc;
+}
+
 /* ---- sluice_decode_layers: every decoder layer of a small decode step in one call ----
 
    What `DecoderLayer.forward_decode` does per layer, with the same kernels in the same
@@ -1266,9 +1463,12 @@ static int dl_linear(const dl_model *m, const dl_proj *p, const float *x, float 
     return sluice_bf16_linear(p->w, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);
 }
 
+/* lora: NULL, or per layer the qkv, o, gate_up and down adapters (`dl_lora`), with
+   row_slots [M] each row's slot (-1: the base model) */
 int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, int64_t M,
                          const int64_t *pos, const int64_t *slots, const int64_t *table,
-                         int64_t nblk, const int64_t *num_keys) {
+                         int64_t nblk, const int64_t *num_keys, const dl_lora *lora,
+                         const int64_t *row_slots) {
     const int64_t H = m->H, I = m->I, D = m->D, qkv_w = (m->Hq + 2 * m->Hkv) * D;
     if (M < 1 || M > 4 || !attn_shape_ok(m->Hq, m->Hkv, D, m->bs, m->blocks))
         return SLUICE_E_ARGS;
@@ -1292,16 +1492,21 @@ int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, in
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
         const dl_layer *L = layers + l;
         sluice_rms_norm(h, L->in_norm, m->eps, x, M, H);
+        const dl_lora *ad = lora ? lora + 4 * l : NULL;
         if ((rc = dl_linear(m, &L->qkv, x, qkv, M, 0))) break;
+        if (ad && (rc = lora_apply(ad, x, qkv, M, row_slots, 1))) break;
         rope_rows(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
         rc = attn_decode_run(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
                              M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
                              m->cache_bf16);
         if (rc || (rc = dl_linear(m, &L->o, attn, h, M, 1))) break;
+        if (ad && (rc = lora_apply(ad + 1, attn, h, M, row_slots, 1))) break;
         sluice_rms_norm(h, L->post_norm, m->eps, x, M, H);
         if ((rc = dl_linear(m, &L->gate_up, x, gu, M, 0))) break;
+        if (ad && (rc = lora_apply(ad + 2, x, gu, M, row_slots, 1))) break;
         sluice_silu_mul(gu, act, M, I);
-        rc = dl_linear(m, &L->down, act, h, M, 1);
+        if ((rc = dl_linear(m, &L->down, act, h, M, 1))) break;
+        if (ad && (rc = lora_apply(ad + 3, act, h, M, row_slots, 1))) break;
     }
     free(x);
     return rc;
