@@ -1229,11 +1229,13 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
    One fused projection's adapters, every slot, as engine/models/lora.py stacks them: A
    [P, R, S, K] and B [P, R, S, N] fp32, part p's B zero outside its columns [off[p],
    off[p] + width[p]) and the scale folded in. Each row has a slot (-1: the base model,
-   no delta). Rows are taken in blocks of up to 4 consecutive rows of one slot (the runner
-   orders a step's rows by slot), so each row of A and B is read once a block; the low-rank
+   no delta). Rows are taken in blocks of up to LORA_ROWS consecutive rows of one slot (the
+   runner orders a step's rows by slot), each row of A and B read from memory once a block
+   and from L1 for its rows four at a time; the low-rank
    products xa stay fp32, as torch's fp32 matmuls of the same tensors keep them. AVX2 + FMA
    (the library's baseline), or 16 lanes with `wide` on a CPU with AVX-512F. */
 #define LORA_COLS 1024 /* parts * rank at most (checked by the bindings) */
+#define LORA_ROWS 16   /* rows a block: each weight row is read from L1 for all of them */
 #define LORA_TARGET __attribute__((target("avx512f")))
 
 typedef struct {
@@ -1244,114 +1246,141 @@ typedef struct {
     int32_t wide;
 } dl_lora;
 
-/* xa[m][c] = x[m] . A row c, for the block's mb rows; A rows `stride` apart */
-static inline void lora_down(const float *A, int64_t stride, int64_t cols, const float *x,
-                             int64_t K, const int mb, float *xa) {
+/* xa[m][0] = x[m] . w for MB rows of x (K apart) */
+static inline void lora_dot(const float *w, const float *x, int64_t K, const int MB, float *xa) {
     const int64_t K8 = K & ~(int64_t)7;
-    for (int64_t c = 0; c < cols; c++) {
-        const float *w = A + c * stride;
-        __m256 acc[4];
-        for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K8; k += 8) {
-            __m256 wv = _mm256_loadu_ps(w + k);
-            for (int m = 0; m < mb; m++)
-                acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
-        }
-        for (int m = 0; m < mb; m++) {
-            float s = hsum(acc[m]);
-            for (int64_t k = K8; k < K; k++) s += w[k] * x[m * K + k];
-            xa[m * LORA_COLS + c] = s;
-        }
+    __m256 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 wv = _mm256_loadu_ps(w + k);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < MB; m++) {
+        float s = hsum(acc[m]);
+        for (int64_t k = K8; k < K; k++) s += w[k] * x[m * K + k];
+        xa[m * LORA_COLS] = s;
     }
 }
 
-/* y[m][0:width] += sum_r xa[m][r] * B row r, B rows `stride` apart */
-static inline void lora_up(const float *B, int64_t stride, int64_t R, const float *xa,
-                           int64_t width, float *y, int64_t N, const int mb) {
-    const int64_t W8 = width & ~(int64_t)7;
-    for (int64_t n = 0; n < W8; n += 8) {
+/* y[m][0:n] += sum_r xa[m][r] * B row r (rows `stride` apart), n <= 8, MB rows of y */
+static inline void lora_axpy(const float *B, int64_t stride, int64_t R, const float *xa,
+                             float *y, int64_t N, int64_t n, const int MB) {
+    if (n == 8) {
         __m256 acc[4];
-        for (int m = 0; m < mb; m++) acc[m] = _mm256_loadu_ps(y + m * N + n);
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_loadu_ps(y + m * N);
         for (int64_t r = 0; r < R; r++) {
-            __m256 bv = _mm256_loadu_ps(B + r * stride + n);
-            for (int m = 0; m < mb; m++)
+            __m256 bv = _mm256_loadu_ps(B + r * stride);
+            for (int m = 0; m < MB; m++)
                 acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
         }
-        for (int m = 0; m < mb; m++) _mm256_storeu_ps(y + m * N + n, acc[m]);
+        for (int m = 0; m < MB; m++) _mm256_storeu_ps(y + m * N, acc[m]);
+        return;
     }
-    for (int64_t n = W8; n < width; n++)
-        for (int m = 0; m < mb; m++) {
-            float s = y[m * N + n];
-            for (int64_t r = 0; r < R; r++) s += xa[m * LORA_COLS + r] * B[r * stride + n];
-            y[m * N + n] = s;
+    for (int m = 0; m < MB; m++)
+        for (int64_t j = 0; j < n; j++) {
+            float s = y[m * N + j];
+            for (int64_t r = 0; r < R; r++) s += xa[m * LORA_COLS + r] * B[r * stride + j];
+            y[m * N + j] = s;
         }
 }
 
-LORA_TARGET static inline void lora_down_wide(const float *A, int64_t stride, int64_t cols,
-                                              const float *x, int64_t K, const int mb,
-                                              float *xa) {
-    for (int64_t c = 0; c < cols; c++) {
-        const float *w = A + c * stride;
-        __m512 acc[4];
-        for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
-            __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
-            for (int m = 0; m < mb; m++)
-                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * K + k), acc[m]);
+LORA_TARGET static inline void lora_dot_wide(const float *w, const float *x, int64_t K,
+                                             const int MB, float *xa) {
+    __m512 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
+        __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < MB; m++) xa[m * LORA_COLS] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* lora_dot_wide of four rows of A (`stride` apart) at once: each x load feeds four FMAs */
+LORA_TARGET static inline void lora_dot4_wide(const float *w, int64_t stride, const float *x,
+                                              int64_t K, const int MB, float *xa) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int m = 0; m < MB; m++) acc[j][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * stride + k);
+        for (int m = 0; m < MB; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+            for (int j = 0; j < 4; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
         }
-        for (int m = 0; m < mb; m++) xa[m * LORA_COLS + c] = _mm512_reduce_add_ps(acc[m]);
+    }
+    for (int j = 0; j < 4; j++)
+        for (int m = 0; m < MB; m++) xa[m * LORA_COLS + j] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+LORA_TARGET static inline void lora_axpy_wide(const float *B, int64_t stride, int64_t R,
+                                              const float *xa, float *y, int64_t N, int64_t n,
+                                              const int MB) {
+    const __mmask16 mk = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m512 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N);
+    for (int64_t r = 0; r < R; r++) {
+        __m512 bv = _mm512_maskz_loadu_ps(mk, B + r * stride);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+    }
+    for (int m = 0; m < MB; m++) _mm512_mask_storeu_ps(y + m * N, mk, acc[m]);
+}
+
+/* MB a constant at each call, so the loops over m unroll */
+#define LORA_BY_ROWS(call)            \
+    switch (mb) {                     \
+        case 1: call(1); break;       \
+        case 2: call(2); break;       \
+        case 3: call(3); break;       \
+        default: call(4); break;      \
+    }
+
+static void lora_down(const dl_lora *L, const float *A, const float *x, int64_t rows,
+                      float *xa) {
+    const int64_t K = L->K, stride = L->slots * K, cols = L->parts * L->rank;
+    for (int64_t c = 0; c < cols;) {
+        const int four = L->wide && c + 4 <= cols;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int mb = rows - m < 4 ? (int)(rows - m) : 4;
+            const float *w = A + c * stride, *xm = x + m * K;
+            float *out = xa + m * LORA_COLS + c;
+#define DOT(MB)                                                   \
+    (four      ? lora_dot4_wide(w, stride, xm, K, MB, out)       \
+     : L->wide ? lora_dot_wide(w, xm, K, MB, out)                \
+               : lora_dot(w, xm, K, MB, out))
+            LORA_BY_ROWS(DOT)
+#undef DOT
+        }
+        c += four ? 4 : 1;
     }
 }
 
-LORA_TARGET static inline void lora_up_wide(const float *B, int64_t stride, int64_t R,
-                                            const float *xa, int64_t width, float *y, int64_t N,
-                                            const int mb) {
-    for (int64_t n = 0; n < width; n += 16) {
-        const __mmask16 mk =
-            n + 16 <= width ? (__mmask16)0xffff : (__mmask16)((1u << (width % 16)) - 1);
-        __m512 acc[4];
-        for (int m = 0; m < mb; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N + n);
-        for (int64_t r = 0; r < R; r++) {
-            __m512 bv = _mm512_maskz_loadu_ps(mk, B + r * stride + n);
-            for (int m = 0; m < mb; m++)
-                acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+static void lora_up(const dl_lora *L, int64_t s, const float *xa, float *y, int64_t rows) {
+    const int64_t N = L->N, R = L->rank, S = L->slots, lanes = L->wide ? 16 : 8;
+    for (int64_t p = 0; p < L->parts; p++) {
+        const float *B = L->b + (p * R * S + s) * N + L->off[p];
+        const int64_t width = L->width[p];
+        for (int64_t n = 0; n < width; n += lanes) {
+            const int64_t w = width - n < lanes ? width - n : lanes;
+            for (int64_t m = 0; m < rows; m += 4) {
+                const int mb = rows - m < 4 ? (int)(rows - m) : 4;
+                const float *xm = xa + m * LORA_COLS + p * R;
+                float *ym = y + m * N + L->off[p] + n;
+#define AXPY(MB)                                               \
+    (L->wide ? lora_axpy_wide(B + n, S * N, R, xm, ym, N, w, MB) \
+             : lora_axpy(B + n, S * N, R, xm, ym, N, w, MB))
+                LORA_BY_ROWS(AXPY)
+#undef AXPY
+            }
         }
-        for (int m = 0; m < mb; m++) _mm512_mask_storeu_ps(y + m * N + n, mk, acc[m]);
     }
 }
-
-/* rows [m0, m0 + mb) of slot s: fp32 x [.., K] and y [.., N] (added to) */
-static void lora_block(const dl_lora *L, const float *x, float *y, int64_t m0, int mb,
-                       int64_t s) {
-    float xa[4 * LORA_COLS];
-    const int64_t K = L->K, N = L->N, R = L->rank, S = L->slots;
-    const int64_t cols = L->parts * R;
-    const float *A = L->a + s * K;
-    x += m0 * K;
-    y += m0 * N;
-#define LORA_ROWS(down, up, MB)                                                            \
-    do {                                                                                   \
-        down(A, S * K, cols, x, K, MB, xa);                                                \
-        for (int64_t p = 0; p < L->parts; p++)                                             \
-            up(L->b + (p * R * S + s) * N + L->off[p], S * N, R, xa + p * R, L->width[p], \
-               y + L->off[p], N, MB);                                                      \
-    } while (0)
-#define LORA_MB(down, up)                          \
-    switch (mb) {                                  \
-        case 1: LORA_ROWS(down, up, 1); break;     \
-        case 2: LORA_ROWS(down, up, 2); break;     \
-        case 3: LORA_ROWS(down, up, 3); break;     \
-        default: LORA_ROWS(down, up, 4); break;    \
-    }
-    if (L->wide) {
-        LORA_MB(lora_down_wide, lora_up_wide);
-    } else {
-        LORA_MB(lora_down, lora_up);
-    }
-#undef LORA_MB
-#undef LORA_ROWS
-}
+#undef LORA_BY_ROWS
 
 typedef struct {
     const dl_lora *L;
@@ -1360,10 +1389,14 @@ typedef struct {
     const int64_t *blocks; /* block b: rows [blocks[3b], blocks[3b + 1]) of slot blocks[3b + 2] */
 } lora_job;
 
+/* one block: up to LORA_ROWS consecutive rows of one slot */
 static void lora_chunk(void *ctx, int64_t c) {
     const lora_job *j = ctx;
-    const int64_t *b = j->blocks + 3 * c;
-    lora_block(j->L, j->x, j->y, b[0], (int)(b[1] - b[0]), b[2]);
+    const dl_lora *L = j->L;
+    const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
+    float xa[LORA_ROWS * LORA_COLS];
+    lora_down(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
+    lora_up(L, s, xa, j->y + m0 * L->N, rows);
 }
 
 /* fp32 x [M, K], y [M, N] += each row's delta; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
@@ -1376,7 +1409,7 @@ static int lora_apply(const dl_lora *L, const float *x, float *y, int64_t M,
     if (!blocks) return SLUICE_E_NOMEM;
     for (int64_t m = 0, e; m < M; m = e) {
         const int64_t s = row_slots[m];
-        for (e = m + 1; e < M && e - m < 4 && row_slots[e] == s;) e++;
+        for (e = m + 1; e < M && e - m < LORA_ROWS && row_slots[e] == s;) e++;
         if (s >= 0 && L->targeted[s]) {
             blocks[3 * n] = m, blocks[3 * n + 1] = e, blocks[3 * n + 2] = s;
             n++;
@@ -1395,26 +1428,49 @@ static int lora_apply(const dl_lora *L, const float *x, float *y, int64_t M,
 /* `lora_apply` on x and y fp32 or bf16 (`x_bf16`, `y_bf16`), each [M, K] / [M, N]
    contiguous: a bf16 x is widened exactly, and a bf16 y gets the fp32 delta added then
    rounded once, as torch adds an fp32 product into a bf16 tensor. */
+/* n bf16 values widened to fp32 (exact) */
+static void widen_n(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
+    for (; i < n; i++) dst[i] = widen1(src[i]);
+}
+
+/* y = bf16(y + d), rounded to nearest even (round_bf16 eight at a time) */
+static void add_round_n(uint16_t *y, const float *d, int64_t n) {
+    const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_add_ps(widen8(y + i), _mm256_loadu_ps(d + i)));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        u = _mm256_srli_epi32(u, 16);
+        u = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_castsi256_si128(u));
+    }
+    for (; i < n; i++) y[i] = round_bf16(widen1(y[i]) + d[i]);
+}
+
 int sluice_lora_add(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
                     int64_t M, const int64_t *row_slots, int threads) {
     if (M < 1 || threads < 1 || L->parts < 1 || L->parts > 4 || L->parts * L->rank > LORA_COLS)
         return SLUICE_E_ARGS;
     const int64_t K = L->K, N = L->N;
     float *xf = x_bf16 ? malloc(M * K * sizeof(float)) : NULL;
-    float *yf = y_bf16 ? calloc(M * N, sizeof(float)) : NULL;
+    float *yf = y_bf16 ? malloc(M * N * sizeof(float)) : NULL;
     if ((x_bf16 && !xf) || (y_bf16 && !yf)) {
         free(xf);
         free(yf);
         return SLUICE_E_NOMEM;
     }
-    if (xf)
-        for (int64_t i = 0; i < M * K; i++) xf[i] = widen1(((const uint16_t *)x)[i]);
-    int rc = lora_apply(L, xf ? xf : x, yf ? yf : y, M, row_slots, threads);
-    if (yf && rc == SLUICE_OK) {
-        uint16_t *yb = y;
-        for (int64_t i = 0; i < M * N; i++)
-            if (yf[i] != 0.0f) yb[i] = round_bf16(widen1(yb[i]) + yf[i]);
+    /* only the adapters' rows are read (x) and written (y) */
+    for (int64_t m = 0; m < M; m++) {
+        if (row_slots[m] < 0) continue;
+        if (xf) widen_n((const uint16_t *)x + m * K, xf + m * K, K);
+        if (yf) memset(yf + m * N, 0, N * sizeof(float));
     }
+    int rc = lora_apply(L, xf ? xf : x, yf ? yf : y, M, row_slots, threads);
+    if (yf && rc == SLUICE_OK)
+        for (int64_t m = 0; m < M; m++)
+            if (row_slots[m] >= 0) add_round_n((uint16_t *)y + m * N, yf + m * N, N);
     free(xf);
     free(yf);
     return rc;

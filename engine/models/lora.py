@@ -282,8 +282,9 @@ class LoRAWeights:
 
 
 # a step of at most this many rows adds its deltas with the kernel (`CpuOps.lora_add`):
-# one call a projection, where torch takes a few ops per run of rows of one adapter
-KERNEL_ROWS = 256
+# one call a projection, where torch takes a few ops per run of rows of one adapter; in
+# larger steps torch's matmuls of long runs catch up with it
+KERNEL_ROWS = 128
 _INDEX = {name: i for i, name in enumerate(FUSED_PARTS)}
 
 # rows per run of one adapter from which a step computes per run rather than masked: a
