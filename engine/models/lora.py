@@ -16,8 +16,8 @@ per op rather than per flop. A step of many rows pays for the other slots' colum
 (slots times the flops), so there the runner orders the step's requests by slot and each
 run of rows of one adapter does `y[run] += (x[run] @ A_slot^T) @ B_slot` on its slot's
 strided view of the same tensors (`LoRAStep.segments`).
-With the CPU kernels (`engine.kernels`), a step of up to KERNEL_ROWS rows instead makes one
-`CpuOps.lora_add` call a projection over the same tensors (`LoRAWeights.kernel_plan`),
+With the CPU kernels (`engine.kernels`), a step instead makes one `CpuOps.lora_add` call a
+projection over the same tensors (`LoRAWeights.kernel_plan`),
 each row by its own slot, and a small decode step adds the deltas inside the one-call
 `CpuOps.decode_layers` (its projections' LoRA pointers and the rows' slots).
 No merged weights: the base projections run as they do without adapters. The rank
@@ -281,10 +281,6 @@ class LoRAWeights:
         return out
 
 
-# a step of at most this many rows adds its deltas with the kernel (`CpuOps.lora_add`):
-# one call a projection, where torch takes a few ops per run of rows of one adapter; in
-# larger steps torch's matmuls of long runs catch up with it
-KERNEL_ROWS = 128
 _INDEX = {name: i for i, name in enumerate(FUSED_PARTS)}
 
 # rows per run of one adapter from which a step computes per run rather than masked: a
@@ -313,10 +309,13 @@ class LoRAStep:
         cls, weights: LoRAWeights, row_slots: list[int], ops: CpuOps | None = None
     ) -> LoRAStep:
         """`row_slots[i]`: the slot of flat row i (-1: the base model); `ops`: the
-        kernels, used for a step of at most KERNEL_ROWS rows where they take the weights."""
+        kernels, which compute every step's deltas where they take the weights: one call a
+        projection where torch takes a few ops per run of rows, and torch's thin matmuls
+        of a prefill's runs are slower still (a oneDNN primitive per new row count, and a
+        thread pool that stalls on a busy host)."""
         num_rows = len(row_slots)
         serial = num_rows <= SERIAL_ROWS
-        plan = None if ops is None or num_rows > KERNEL_ROWS else weights.kernel_plan(ops)
+        plan = None if ops is None else weights.kernel_plan(ops)
         if plan is not None:
             rows = LoRARows(plan, torch.tensor(row_slots, dtype=torch.int64))
             return cls(weights, None, None, serial, rows, ops)

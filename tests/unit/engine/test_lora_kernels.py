@@ -126,8 +126,9 @@ def test_lora_add_rejects_a_slot_outside_the_slots() -> None:
 
 
 @needs_kernel
-def test_a_step_of_many_rows_takes_the_kernel_up_to_kernel_rows(tmp_path: Path) -> None:
-    from sluice.engine.models.lora import KERNEL_ROWS, LoRAWeights
+def test_steps_take_the_kernel_where_it_takes_the_weights(tmp_path: Path) -> None:
+    """Any row count with the kernels; the torch path without them or past LORA_COLS."""
+    from sluice.engine.models.lora import LoRAWeights
 
     ops = _ops(False)
     cfg = load_model("tiny-llama", data_dir=tmp_path, dtype="float32").model.config
@@ -137,8 +138,12 @@ def test_a_step_of_many_rows_takes_the_kernel_up_to_kernel_rows(tmp_path: Path) 
         layer["qkv_proj"].targeted[0] = 1
     weights.rank = 4
     weights.clear(1)  # marks the plan stale, as a load does
-    assert LoRAStep.for_rows(weights, [0] * KERNEL_ROWS, ops).kernel is not None
-    assert LoRAStep.for_rows(weights, [0] * (KERNEL_ROWS + 1), ops).kernel is None
+    for rows in (1, 4096):
+        assert LoRAStep.for_rows(weights, [0] * rows, ops).kernel is not None
+        assert LoRAStep.for_rows(weights, [0] * rows).kernel is None
+    weights.rank = kernels.LORA_COLS // 3 + 1
+    weights.clear(1)
+    assert LoRAStep.for_rows(weights, [0] * 4, ops).kernel is None
 
 
 # ---- a bf16 engine decoding with adapters: the one-call plan against layer by layer ----
