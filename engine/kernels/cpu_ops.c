@@ -1340,46 +1340,64 @@ LORA_TARGET static inline void lora_axpy_wide(const float *B, int64_t stride, in
         default: call(4); break;      \
     }
 
-static void lora_down(const dl_lora *L, const float *A, const float *x, int64_t rows,
-                      float *xa) {
-    const int64_t K = L->K, stride = L->slots * K, cols = L->parts * L->rank;
-    for (int64_t c = 0; c < cols;) {
-        const int four = L->wide && c + 4 <= cols;
-        for (int64_t m = 0; m < rows; m += 4) {
-            const int mb = rows - m < 4 ? (int)(rows - m) : 4;
-            const float *w = A + c * stride, *xm = x + m * K;
-            float *out = xa + m * LORA_COLS + c;
-#define DOT(MB)                                                   \
-    (four      ? lora_dot4_wide(w, stride, xm, K, MB, out)       \
-     : L->wide ? lora_dot_wide(w, xm, K, MB, out)                \
-               : lora_dot(w, xm, K, MB, out))
-            LORA_BY_ROWS(DOT)
-#undef DOT
-        }
-        c += four ? 4 : 1;
+/* lora_down_{avx2,wide}: xa[m][c] = x[m] . A row c for the block's rows, four rows of x
+   at a time (four rows of A too where `four`); lora_up_{avx2,wide}: y[m] += xa[m] . B_s
+   over each part's columns, `lanes` columns and four rows at a time. Defined once a form
+   so the kernels inline into a function of their own target, MB a constant in each. */
+#define LORA_PASSES(SUFFIX, TARGET, HAS4, LANES)                                            \
+    TARGET static void lora_down_##SUFFIX(const dl_lora *L, const float *A, const float *x, \
+                                          int64_t rows, float *xa) {                        \
+        const int64_t K = L->K, stride = L->slots * K, cols = L->parts * L->rank;           \
+        for (int64_t c = 0; c < cols;) {                                                    \
+            const int four = HAS4 && c + 4 <= cols;                                         \
+            for (int64_t m = 0; m < rows; m += 4) {                                         \
+                const int mb = rows - m < 4 ? (int)(rows - m) : 4;                          \
+                const float *w = A + c * stride, *xm = x + m * K;                           \
+                float *out = xa + m * LORA_COLS + c;                                        \
+                LORA_BY_ROWS(LORA_DOT_CALL)                                                 \
+            }                                                                               \
+            c += four ? 4 : 1;                                                              \
+        }                                                                                   \
+    }                                                                                       \
+    TARGET static void lora_up_##SUFFIX(const dl_lora *L, int64_t s, const float *xa,       \
+                                        float *y, int64_t rows) {                           \
+        const int64_t N = L->N, R = L->rank, S = L->slots;                                  \
+        for (int64_t p = 0; p < L->parts; p++) {                                            \
+            const float *B = L->b + (p * R * S + s) * N + L->off[p];                        \
+            const int64_t width = L->width[p];                                              \
+            for (int64_t n = 0; n < width; n += LANES) {                                    \
+                const int64_t w = width - n < LANES ? width - n : LANES;                    \
+                for (int64_t m = 0; m < rows; m += 4) {                                     \
+                    const int mb = rows - m < 4 ? (int)(rows - m) : 4;                      \
+                    const float *xm = xa + m * LORA_COLS + p * R;                           \
+                    float *ym = y + m * N + L->off[p] + n;                                  \
+                    LORA_BY_ROWS(LORA_AXPY_CALL)                                            \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
     }
-}
 
-static void lora_up(const dl_lora *L, int64_t s, const float *xa, float *y, int64_t rows) {
-    const int64_t N = L->N, R = L->rank, S = L->slots, lanes = L->wide ? 16 : 8;
-    for (int64_t p = 0; p < L->parts; p++) {
-        const float *B = L->b + (p * R * S + s) * N + L->off[p];
-        const int64_t width = L->width[p];
-        for (int64_t n = 0; n < width; n += lanes) {
-            const int64_t w = width - n < lanes ? width - n : lanes;
-            for (int64_t m = 0; m < rows; m += 4) {
-                const int mb = rows - m < 4 ? (int)(rows - m) : 4;
-                const float *xm = xa + m * LORA_COLS + p * R;
-                float *ym = y + m * N + L->off[p] + n;
-#define AXPY(MB)                                               \
-    (L->wide ? lora_axpy_wide(B + n, S * N, R, xm, ym, N, w, MB) \
-             : lora_axpy(B + n, S * N, R, xm, ym, N, w, MB))
-                LORA_BY_ROWS(AXPY)
-#undef AXPY
-            }
-        }
-    }
-}
+#define LORA_DOT_CALL(MB) \
+    (four ? LORA_DOT4(w, stride, xm, K, MB, out) : LORA_DOT(w, xm, K, MB, out))
+#define LORA_AXPY_CALL(MB) LORA_AXPY(B + n, S * N, R, xm, ym, N, w, MB)
+
+#define LORA_DOT lora_dot
+#define LORA_DOT4(...) (void)0
+#define LORA_AXPY lora_axpy
+LORA_PASSES(avx2, , 0, 8)
+#undef LORA_DOT
+#undef LORA_DOT4
+#undef LORA_AXPY
+#define LORA_DOT lora_dot_wide
+#define LORA_DOT4 lora_dot4_wide
+#define LORA_AXPY lora_axpy_wide
+LORA_PASSES(wide, LORA_TARGET, 1, 16)
+#undef LORA_DOT
+#undef LORA_DOT4
+#undef LORA_AXPY
+#undef LORA_DOT_CALL
+#undef LORA_AXPY_CALL
+#undef LORA_PASSES
 #undef LORA_BY_ROWS
 
 typedef struct {
@@ -1395,8 +1413,13 @@ static void lora_chunk(void *ctx, int64_t c) {
     const dl_lora *L = j->L;
     const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
     float xa[LORA_ROWS * LORA_COLS];
-    lora_down(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
-    lora_up(L, s, xa, j->y + m0 * L->N, rows);
+    if (L->wide) {
+        lora_down_wide(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
+        lora_up_wide(L, s, xa, j->y + m0 * L->N, rows);
+    } else {
+        lora_down_avx2(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
+        lora_up_avx2(L, s, xa, j->y + m0 * L->N, rows);
+    }
 }
 
 /* fp32 x [M, K], y [M, N] += each row's delta; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
