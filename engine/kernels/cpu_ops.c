@@ -1400,57 +1400,6 @@ LORA_PASSES(wide, LORA_TARGET, 1, 16)
 #undef LORA_PASSES
 #undef LORA_BY_ROWS
 
-typedef struct {
-    const dl_lora *L;
-    const float *x;
-    float *y;
-    const int64_t *blocks; /* block b: rows [blocks[3b], blocks[3b + 1]) of slot blocks[3b + 2] */
-} lora_job;
-
-/* one block: up to LORA_ROWS consecutive rows of one slot */
-static void lora_chunk(void *ctx, int64_t c) {
-    const lora_job *j = ctx;
-    const dl_lora *L = j->L;
-    const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
-    float xa[LORA_ROWS * LORA_COLS];
-    if (L->wide) {
-        lora_down_wide(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
-        lora_up_wide(L, s, xa, j->y + m0 * L->N, rows);
-    } else {
-        lora_down_avx2(L, L->a + s * L->K, j->x + m0 * L->K, rows, xa);
-        lora_up_avx2(L, s, xa, j->y + m0 * L->N, rows);
-    }
-}
-
-/* fp32 x [M, K], y [M, N] += each row's delta; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
-static int lora_apply(const dl_lora *L, const float *x, float *y, int64_t M,
-                      const int64_t *row_slots, int threads) {
-    for (int64_t m = 0; m < M; m++)
-        if (row_slots[m] < -1 || row_slots[m] >= L->slots) return SLUICE_E_ADAPTER;
-    if (!L->a) return SLUICE_OK;
-    int64_t *blocks = malloc(3 * M * sizeof(int64_t)), n = 0;
-    if (!blocks) return SLUICE_E_NOMEM;
-    for (int64_t m = 0, e; m < M; m = e) {
-        const int64_t s = row_slots[m];
-        for (e = m + 1; e < M && e - m < LORA_ROWS && row_slots[e] == s;) e++;
-        if (s >= 0 && L->targeted[s]) {
-            blocks[3 * n] = m, blocks[3 * n + 1] = e, blocks[3 * n + 2] = s;
-            n++;
-        }
-    }
-    lora_job job = {L, x, y, blocks};
-    if (threads > 1 && n > 1) {
-        parallel_for(lora_chunk, &job, n, threads);
-    } else {
-        for (int64_t c = 0; c < n; c++) lora_chunk(&job, c);
-    }
-    free(blocks);
-    return SLUICE_OK;
-}
-
-/* `lora_apply` on x and y fp32 or bf16 (`x_bf16`, `y_bf16`), each [M, K] / [M, N]
-   contiguous: a bf16 x is widened exactly, and a bf16 y gets the fp32 delta added then
-   rounded once, as torch adds an fp32 product into a bf16 tensor. */
 /* n bf16 values widened to fp32 (exact) */
 static void widen_n(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
@@ -1464,39 +1413,87 @@ static void add_round_n(uint16_t *y, const float *d, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i u = _mm256_castps_si256(_mm256_add_ps(widen8(y + i), _mm256_loadu_ps(d + i)));
-        u = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-        u = _mm256_srli_epi32(u, 16);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+        u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
         u = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
         _mm_storeu_si128((__m128i *)(y + i), _mm256_castsi256_si128(u));
     }
     for (; i < n; i++) y[i] = round_bf16(widen1(y[i]) + d[i]);
 }
 
+typedef struct {
+    const dl_lora *L;
+    const void *x;
+    void *y;
+    int x_bf16, y_bf16;
+    const int64_t *blocks; /* block b: rows [blocks[3b], blocks[3b + 1]) of slot blocks[3b + 2] */
+    atomic_int failed;     /* a block's scratch allocation failed */
+} lora_job;
+
+static void lora_rows(const dl_lora *L, const float *x, float *y, int64_t rows, int64_t s) {
+    float xa[LORA_ROWS * LORA_COLS];
+    if (L->wide) {
+        lora_down_wide(L, L->a + s * L->K, x, rows, xa);
+        lora_up_wide(L, s, xa, y, rows);
+    } else {
+        lora_down_avx2(L, L->a + s * L->K, x, rows, xa);
+        lora_up_avx2(L, s, xa, y, rows);
+    }
+}
+
+/* one block: up to LORA_ROWS consecutive rows of one slot; bf16 rows are widened into a
+   scratch of the block's own (a whole step's would be megabytes, faulted in every call) */
+static void lora_chunk(void *ctx, int64_t c) {
+    lora_job *j = ctx;
+    const dl_lora *L = j->L;
+    const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
+    const int64_t K = L->K, N = L->N;
+    float *xf = j->x_bf16 ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
+    float *yf = j->y_bf16 ? calloc(rows * N, sizeof(float)) : (float *)j->y + m0 * N;
+    if (xf && yf) {
+        if (j->x_bf16) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
+        lora_rows(L, xf, yf, rows, s);
+        if (j->y_bf16) add_round_n((uint16_t *)j->y + m0 * N, yf, rows * N);
+    } else {
+        atomic_store(&j->failed, 1);
+    }
+    if (j->x_bf16) free(xf);
+    if (j->y_bf16) free(yf);
+}
+
+/* x [M, K], y [M, N] (fp32, or bf16 where flagged) += each row's delta: a bf16 x widened
+   exactly, a bf16 y given the fp32 delta then rounded once, as torch adds an fp32 product
+   into a bf16 tensor; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
+static int lora_apply(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
+                      int64_t M, const int64_t *row_slots, int threads) {
+    for (int64_t m = 0; m < M; m++)
+        if (row_slots[m] < -1 || row_slots[m] >= L->slots) return SLUICE_E_ADAPTER;
+    if (!L->a) return SLUICE_OK;
+    int64_t *blocks = malloc(3 * M * sizeof(int64_t)), n = 0;
+    if (!blocks) return SLUICE_E_NOMEM;
+    for (int64_t m = 0, e; m < M; m = e) {
+        const int64_t s = row_slots[m];
+        for (e = m + 1; e < M && e - m < LORA_ROWS && row_slots[e] == s;) e++;
+        if (s >= 0 && L->targeted[s]) {
+            blocks[3 * n] = m, blocks[3 * n + 1] = e, blocks[3 * n + 2] = s;
+            n++;
+        }
+    }
+    lora_job job = {L, x, y, x_bf16, y_bf16, blocks, 0};
+    if (threads > 1 && n > 1) {
+        parallel_for(lora_chunk, &job, n, threads);
+    } else {
+        for (int64_t c = 0; c < n; c++) lora_chunk(&job, c);
+    }
+    free(blocks);
+    return atomic_load(&job.failed) ? SLUICE_E_NOMEM : SLUICE_OK;
+}
+
 int sluice_lora_add(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
                     int64_t M, const int64_t *row_slots, int threads) {
     if (M < 1 || threads < 1 || L->parts < 1 || L->parts > 4 || L->parts * L->rank > LORA_COLS)
         return SLUICE_E_ARGS;
-    const int64_t K = L->K, N = L->N;
-    float *xf = x_bf16 ? malloc(M * K * sizeof(float)) : NULL;
-    float *yf = y_bf16 ? malloc(M * N * sizeof(float)) : NULL;
-    if ((x_bf16 && !xf) || (y_bf16 && !yf)) {
-        free(xf);
-        free(yf);
-        return SLUICE_E_NOMEM;
-    }
-    /* only the adapters' rows are read (x) and written (y) */
-    for (int64_t m = 0; m < M; m++) {
-        if (row_slots[m] < 0) continue;
-        if (xf) widen_n((const uint16_t *)x + m * K, xf + m * K, K);
-        if (yf) memset(yf + m * N, 0, N * sizeof(float));
-    }
-    int rc = lora_apply(L, xf ? xf : x, yf ? yf : y, M, row_slots, threads);
-    if (yf && rc == SLUICE_OK)
-        for (int64_t m = 0; m < M; m++)
-            if (row_slots[m] >= 0) add_round_n((uint16_t *)y + m * N, yf + m * N, N);
-    free(xf);
-    free(yf);
-    return rc;
+    return lora_apply(L, x, x_bf16, y, y_bf16, M, row_slots, threads);
 }
 
 /* ---- sluice_decode_layers: every decoder layer of a small decode step in one call ----
@@ -1573,19 +1570,19 @@ int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, in
         sluice_rms_norm(h, L->in_norm, m->eps, x, M, H);
         const dl_lora *ad = lora ? lora + 4 * l : NULL;
         if ((rc = dl_linear(m, &L->qkv, x, qkv, M, 0))) break;
-        if (ad && (rc = lora_apply(ad, x, qkv, M, row_slots, 1))) break;
+        if (ad && (rc = lora_apply(ad, x, 0, qkv, 0, M, row_slots, 1))) break;
         rope_rows(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
         rc = attn_decode_run(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
                              M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
                              m->cache_bf16);
         if (rc || (rc = dl_linear(m, &L->o, attn, h, M, 1))) break;
-        if (ad && (rc = lora_apply(ad + 1, attn, h, M, row_slots, 1))) break;
+        if (ad && (rc = lora_apply(ad + 1, attn, 0, h, 0, M, row_slots, 1))) break;
         sluice_rms_norm(h, L->post_norm, m->eps, x, M, H);
         if ((rc = dl_linear(m, &L->gate_up, x, gu, M, 0))) break;
-        if (ad && (rc = lora_apply(ad + 2, x, gu, M, row_slots, 1))) break;
+        if (ad && (rc = lora_apply(ad + 2, x, 0, gu, 0, M, row_slots, 1))) break;
         sluice_silu_mul(gu, act, M, I);
         if ((rc = dl_linear(m, &L->down, act, h, M, 1))) break;
-        if (ad && (rc = lora_apply(ad + 3, act, h, M, row_slots, 1))) break;
+        if (ad && (rc = lora_apply(ad + 3, act, 0, h, 0, M, row_slots, 1))) break;
     }
     free(x);
     return rc;
