@@ -17,9 +17,9 @@ per op rather than per flop. A step of many rows pays for the other slots' colum
 run of rows of one adapter does `y[run] += (x[run] @ A_slot^T) @ B_slot` on its slot's
 strided view of the same tensors (`LoRAStep.segments`).
 With the CPU kernels (`engine.kernels`), a step instead makes one `CpuOps.lora_add` call a
-projection over the same tensors (`LoRAWeights.kernel_plan`),
-each row by its own slot, and a small decode step adds the deltas inside the one-call
-`CpuOps.decode_layers` (its projections' LoRA pointers and the rows' slots).
+projection over the same tensors (`LoRAWeights.kernel_plan`), each row by its own slot,
+and a small decode step adds the deltas inside the one-call `CpuOps.decode_layers` (its
+projections' LoRA pointers and the rows' slots).
 No merged weights: the base projections run as they do without adapters. The rank
 dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
 bigger adapters arrive, up to `max_lora_rank`.
@@ -310,9 +310,9 @@ class LoRAStep:
     ) -> LoRAStep:
         """`row_slots[i]`: the slot of flat row i (-1: the base model); `ops`: the
         kernels, which compute every step's deltas where they take the weights: one call a
-        projection where torch takes a few ops per run of rows, and torch's thin matmuls
-        of a prefill's runs are slower still (a oneDNN primitive per new row count, and a
-        thread pool that stalls on a busy host)."""
+        projection where torch takes a few ops per run of rows (a prefill's long runs are
+        about as fast either way on one thread, and the kernel's helpers never wait for a
+        thread that is off its core, where torch's pool stalls on a busy host)."""
         num_rows = len(row_slots)
         serial = num_rows <= SERIAL_ROWS
         plan = None if ops is None else weights.kernel_plan(ops)
