@@ -4,6 +4,8 @@
 
    sluice_bf16_linear: y = x @ W^T (+ bias) (or y +=) for bf16 W [N, K], fp32 x [M, K], M <= 4.
    sluice_int8_linear: the same for int8 W with a scale per row (its own section below).
+   sluice_lora_add: y += each row's LoRA adapter delta, by the row's slot (its own section,
+   also run inside sluice_decode_layers).
 
    The small-batch decode GEMVs of a bf16 model on a CPU without native bf16 (AVX2 only):
    each bf16 weight is widened to fp32 exactly (bf16 is the top half of an fp32) and
