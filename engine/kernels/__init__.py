@@ -21,19 +21,33 @@ gather of every request's padded keys.
 Modules: `build` compiles, caches and loads the library; `bindings` is `CpuOps`, whose
 calls check every tensor (`checks`: dtype, device, layout, shape, once a call) while the C
 code checks the ids inside them (block ids, slots, positions) against the cache's size;
-`plan` describes a model's layers for `decode_layers`; `config` holds the process options.
+`plan` describes a model's layers for `decode_layers` and its LoRA adapters for `lora_add`
+(each row's delta by its slot, inside `decode_layers` too); `config` holds the process
+options.
 """
 
 from sluice.engine.kernels.bindings import MAX_ROWS, SMALL_OP_PARALLEL_MIN, CpuOps
 from sluice.engine.kernels.build import cache_dir, configure, cpu_ops, library_path, load_cpu_ops
-from sluice.engine.kernels.plan import DecodePlan, LayerWeights, ProjWeights
+from sluice.engine.kernels.plan import (
+    LORA_COLS,
+    DecodePlan,
+    LayerWeights,
+    LoRAPlan,
+    LoRAProj,
+    LoRARows,
+    ProjWeights,
+)
 
 __all__ = [
+    "LORA_COLS",
     "MAX_ROWS",
     "SMALL_OP_PARALLEL_MIN",
     "CpuOps",
     "DecodePlan",
     "LayerWeights",
+    "LoRAPlan",
+    "LoRAProj",
+    "LoRARows",
     "ProjWeights",
     "cache_dir",
     "configure",

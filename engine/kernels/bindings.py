@@ -10,7 +10,17 @@ import torch
 
 from sluice.engine.kernels import config
 from sluice.engine.kernels.checks import BF16, F32, F32_BF16, I64, bad, error, tensor
-from sluice.engine.kernels.plan import DecodePlan, LayerWeights, ProjWeights, build_plan, check_proj
+from sluice.engine.kernels.plan import (
+    DecodePlan,
+    LayerWeights,
+    LoRAPlan,
+    LoRAProj,
+    LoRARows,
+    ProjWeights,
+    build_lora_plan,
+    build_plan,
+    check_proj,
+)
 
 MAX_ROWS = 4  # the bf16 GEMV serves 1..MAX_ROWS rows of x per call
 # Below `EngineOptions.kernel_parallel_min_work` multiply-adds a kernel runs on the calling
@@ -32,7 +42,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I, _I], _C),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
     "sluice_attn_decode": ([_P, _I, _P, _I, _P, _P, _I, _P, *[_I] * 6, _F, _P, _C, _C], _C),
-    "sluice_decode_layers": ([_P, _P, _P, _I, _P, _P, _P, _I, _P], _C),
+    "sluice_decode_layers": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P], _C),
+    "sluice_lora_add": ([_P, _P, _C, _P, _C, _I, _P, _C], _C),
     "sluice_rms_norm_bf16": ([_P, _P, _F, _P, _I, _I, _C], None),
     "sluice_silu_mul_bf16": ([_P, _P, _I, _I, _C], None),
     "sluice_add_bf16": ([_P, _P, _I, _I, _C], None),
@@ -89,6 +100,7 @@ class CpuOps:
         self._add_bf16 = lib.sluice_add_bf16
         self._rope_bf16 = lib.sluice_rope_bf16
         self._argmax_bf16 = lib.sluice_argmax_bf16
+        self._lora_add = lib.sluice_lora_add
 
     def linear(
         self, x: torch.Tensor, proj: ProjWeights, out: torch.Tensor | None = None
@@ -176,21 +188,59 @@ class CpuOps:
         slots: torch.Tensor,
         table: torch.Tensor,
         num_keys: torch.Tensor,
+        lora: LoRARows | None = None,
     ) -> None:
         """Every layer of `plan` on fp32 h [M, H] (M <= MAX_ROWS decoding requests), in
-        place: `DecoderLayer.forward_decode` layer after layer, bit for bit. `positions`,
-        `slots`, `num_keys` [M] and the block `table` [M, nblk] are int64."""
+        place: `DecoderLayer.forward_decode` layer after layer, bit for bit (with `lora`,
+        each projection's adapter deltas as `lora_add` computes them; a plan of four
+        projections a layer). `positions`, `slots`, `num_keys` [M] and the block `table`
+        [M, nblk] are int64."""
         op, model = "decode_layers", plan.model
         m = tensor(op, "h", h, F32, (None, model.H))[0]
         if not 1 <= m <= MAX_ROWS:
             raise bad(op, f"takes 1..{MAX_ROWS} rows, got {m}")
         tensor(op, "positions", positions, I64, (m,))
         nblk = _step_ids(op, m, table, slots, num_keys)
+        adapters = row_slots = None
+        if lora is not None:
+            if len(lora.plan.projs) != 4 * model.layers:
+                raise bad(op, f"a LoRA plan of 4 projections a layer, got {len(lora.plan.projs)}")
+            tensor(op, "row_slots", lora.row_slots, I64, (m,))
+            adapters, row_slots = lora.plan.projs, lora.row_slots.data_ptr()
         model.threads = torch.get_num_threads()
         model.min_work = config.options().kernel_parallel_min_work
         rc = self._decode_layers(
             ctypes.byref(model), plan.layers, h.data_ptr(), m, positions.data_ptr(),
-            slots.data_ptr(), table.data_ptr(), nblk, num_keys.data_ptr(),
+            slots.data_ptr(), table.data_ptr(), nblk, num_keys.data_ptr(), adapters, row_slots,
+        )  # fmt: skip
+        if rc:
+            raise error(op, rc)
+
+    def lora_plan(
+        self, projs: Sequence[LoRAProj | None], slots: int, wide: bool | None = None
+    ) -> LoRAPlan:
+        """The C description of `projs` (None: no adapter has that projection) for
+        `lora_add` and `decode_layers`; `wide`: the AVX-512F form (default: on a CPU with
+        AVX512-BF16, which has it), else AVX2."""
+        return build_lora_plan(projs, slots, self.bf16_dot if wide is None else wide)
+
+    def lora_add(
+        self, plan: LoRAPlan, index: int, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """y [M, N] += the delta of projection `index` of `plan` at x [M, K] for each row's
+        slot (`rows`: int64 [M], -1 the base model: nothing added). x and y fp32 or bf16;
+        the low-rank products in fp32, a bf16 y rounded once after the add."""
+        op, proj = "lora_add", plan.projs[index]
+        m = tensor(op, "x", x, F32_BF16, (None, proj.K))[0]
+        tensor(op, "y", y, F32_BF16, (m, proj.N))
+        tensor(op, "rows", rows, I64, (m,))
+        if m == 0:
+            return
+        x_bf16, y_bf16 = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
+        threads = _threads(m * proj.parts * proj.rank * (proj.K + proj.N))
+        rc = self._lora_add(
+            ctypes.byref(proj), x.data_ptr(), x_bf16, y.data_ptr(), y_bf16, m, rows.data_ptr(),
+            threads,
         )  # fmt: skip
         if rc:
             raise error(op, rc)

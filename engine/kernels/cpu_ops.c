@@ -4,6 +4,8 @@
 
    sluice_bf16_linear: y = x @ W^T (+ bias) (or y +=) for bf16 W [N, K], fp32 x [M, K], M <= 4.
    sluice_int8_linear: the same for int8 W with a scale per row (its own section below).
+   sluice_lora_add: y += each row's LoRA adapter delta, by the row's slot (its own section,
+   also run inside sluice_decode_layers).
 
    The small-batch decode GEMVs of a bf16 model on a CPU without native bf16 (AVX2 only):
    each bf16 weight is widened to fp32 exactly (bf16 is the top half of an fp32) and
@@ -47,6 +49,7 @@ enum {
     SLUICE_E_SLOT = -5,    /* a slot to write outside the cache */
     SLUICE_E_REQUEST = -6, /* a row's request outside the block table's rows */
     SLUICE_E_POS = -7,     /* a position outside the RoPE table */
+    SLUICE_E_ADAPTER = -8, /* a row's adapter slot outside the slots */
 };
 
 /* unsigned compares: a negative id is out of range too */
@@ -1223,6 +1226,278 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
     return SLUICE_OK;
 }
 
+/* ---- sluice_lora_add: LoRA adapters' deltas, y += (x . A_slot^T) . B_slot a row ----
+
+   One fused projection's adapters, every slot, as engine/models/lora.py stacks them: A
+   [P, R, S, K] and B [P, R, S, N] fp32, part p's B zero outside its columns [off[p],
+   off[p] + width[p]) and the scale folded in. Each row has a slot (-1: the base model,
+   no delta). Rows are taken in blocks of up to LORA_ROWS consecutive rows of one slot (the
+   runner orders a step's rows by slot), each row of A and B read from memory once a block
+   and from L1 for its rows four at a time; the low-rank
+   products xa stay fp32, as torch's fp32 matmuls of the same tensors keep them. AVX2 + FMA
+   (the library's baseline), or 16 lanes with `wide` on a CPU with AVX-512F. */
+#define LORA_COLS 1024 /* parts * rank at most (checked by the bindings) */
+#define LORA_ROWS 16   /* rows a block: each weight row is read from L1 for all of them */
+#define LORA_TARGET __attribute__((target("avx512f")))
+
+typedef struct {
+    const float *a, *b;
+    const uint8_t *targeted; /* [S]: whether slot s's adapter has this projection */
+    int64_t parts, rank, slots, K, N;
+    int64_t off[4], width[4];
+    int32_t wide;
+} dl_lora;
+
+/* xa[m][0] = x[m] . w for MB rows of x (K apart) */
+static inline void lora_dot(const float *w, const float *x, int64_t K, const int MB, float *xa) {
+    const int64_t K8 = K & ~(int64_t)7;
+    __m256 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 wv = _mm256_loadu_ps(w + k);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < MB; m++) {
+        float s = hsum(acc[m]);
+        for (int64_t k = K8; k < K; k++) s += w[k] * x[m * K + k];
+        xa[m * LORA_COLS] = s;
+    }
+}
+
+/* y[m][0:n] += sum_r xa[m][r] * B row r (rows `stride` apart), n <= 8, MB rows of y */
+static inline void lora_axpy(const float *B, int64_t stride, int64_t R, const float *xa,
+                             float *y, int64_t N, int64_t n, const int MB) {
+    if (n == 8) {
+        __m256 acc[4];
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_loadu_ps(y + m * N);
+        for (int64_t r = 0; r < R; r++) {
+            __m256 bv = _mm256_loadu_ps(B + r * stride);
+            for (int m = 0; m < MB; m++)
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+        }
+        for (int m = 0; m < MB; m++) _mm256_storeu_ps(y + m * N, acc[m]);
+        return;
+    }
+    for (int m = 0; m < MB; m++)
+        for (int64_t j = 0; j < n; j++) {
+            float s = y[m * N + j];
+            for (int64_t r = 0; r < R; r++) s += xa[m * LORA_COLS + r] * B[r * stride + j];
+            y[m * N + j] = s;
+        }
+}
+
+LORA_TARGET static inline void lora_dot_wide(const float *w, const float *x, int64_t K,
+                                             const int MB, float *xa) {
+    __m512 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
+        __m512 wv = _mm512_maskz_loadu_ps(mk, w + k);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < MB; m++) xa[m * LORA_COLS] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* lora_dot_wide of four rows of A (`stride` apart) at once: each x load feeds four FMAs */
+LORA_TARGET static inline void lora_dot4_wide(const float *w, int64_t stride, const float *x,
+                                              int64_t K, const int MB, float *xa) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int m = 0; m < MB; m++) acc[j][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = k + 16 <= K ? (__mmask16)0xffff : (__mmask16)((1u << (K % 16)) - 1);
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * stride + k);
+        for (int m = 0; m < MB; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+            for (int j = 0; j < 4; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int m = 0; m < MB; m++) xa[m * LORA_COLS + j] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+LORA_TARGET static inline void lora_axpy_wide(const float *B, int64_t stride, int64_t R,
+                                              const float *xa, float *y, int64_t N, int64_t n,
+                                              const int MB) {
+    const __mmask16 mk = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m512 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N);
+    for (int64_t r = 0; r < R; r++) {
+        __m512 bv = _mm512_maskz_loadu_ps(mk, B + r * stride);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xa[m * LORA_COLS + r]), bv, acc[m]);
+    }
+    for (int m = 0; m < MB; m++) _mm512_mask_storeu_ps(y + m * N, mk, acc[m]);
+}
+
+/* MB a constant at each call, so the loops over m unroll */
+#define LORA_BY_ROWS(call)            \
+    switch (mb) {                     \
+        case 1: call(1); break;       \
+        case 2: call(2); break;       \
+        case 3: call(3); break;       \
+        default: call(4); break;      \
+    }
+
+/* lora_down_{avx2,wide}: xa[m][c] = x[m] . A row c for the block's rows, four rows of x
+   at a time (four rows of A too where `four`); lora_up_{avx2,wide}: y[m] += xa[m] . B_s
+   over each part's columns, `lanes` columns and four rows at a time. Defined once a form
+   so the kernels inline into a function of their own target, MB a constant in each. */
+#define LORA_PASSES(SUFFIX, TARGET, HAS4, LANES)                                            \
+    TARGET static void lora_down_##SUFFIX(const dl_lora *L, const float *A, const float *x, \
+                                          int64_t rows, float *xa) {                        \
+        const int64_t K = L->K, stride = L->slots * K, cols = L->parts * L->rank;           \
+        for (int64_t c = 0; c < cols;) {                                                    \
+            const int four = HAS4 && c + 4 <= cols;                                         \
+            for (int64_t m = 0; m < rows; m += 4) {                                         \
+                const int mb = rows - m < 4 ? (int)(rows - m) : 4;                          \
+                const float *w = A + c * stride, *xm = x + m * K;                           \
+                float *out = xa + m * LORA_COLS + c;                                        \
+                LORA_BY_ROWS(LORA_DOT_CALL)                                                 \
+            }                                                                               \
+            c += four ? 4 : 1;                                                              \
+        }                                                                                   \
+    }                                                                                       \
+    TARGET static void lora_up_##SUFFIX(const dl_lora *L, int64_t s, const float *xa,       \
+                                        float *y, int64_t rows) {                           \
+        const int64_t N = L->N, R = L->rank, S = L->slots;                                  \
+        for (int64_t p = 0; p < L->parts; p++) {                                            \
+            const float *B = L->b + (p * R * S + s) * N + L->off[p];                        \
+            const int64_t width = L->width[p];                                              \
+            for (int64_t n = 0; n < width; n += LANES) {                                    \
+                const int64_t w = width - n < LANES ? width - n : LANES;                    \
+                for (int64_t m = 0; m < rows; m += 4) {                                     \
+                    const int mb = rows - m < 4 ? (int)(rows - m) : 4;                      \
+                    const float *xm = xa + m * LORA_COLS + p * R;                           \
+                    float *ym = y + m * N + L->off[p] + n;                                  \
+                    LORA_BY_ROWS(LORA_AXPY_CALL)                                            \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+#define LORA_DOT_CALL(MB) \
+    (four ? LORA_DOT4(w, stride, xm, K, MB, out) : LORA_DOT(w, xm, K, MB, out))
+#define LORA_AXPY_CALL(MB) LORA_AXPY(B + n, S * N, R, xm, ym, N, w, MB)
+
+#define LORA_DOT lora_dot
+#define LORA_DOT4(...) (void)0
+#define LORA_AXPY lora_axpy
+LORA_PASSES(avx2, , 0, 8)
+#undef LORA_DOT
+#undef LORA_DOT4
+#undef LORA_AXPY
+#define LORA_DOT lora_dot_wide
+#define LORA_DOT4 lora_dot4_wide
+#define LORA_AXPY lora_axpy_wide
+LORA_PASSES(wide, LORA_TARGET, 1, 16)
+#undef LORA_DOT
+#undef LORA_DOT4
+#undef LORA_AXPY
+#undef LORA_DOT_CALL
+#undef LORA_AXPY_CALL
+#undef LORA_PASSES
+#undef LORA_BY_ROWS
+
+/* n bf16 values widened to fp32 (exact) */
+static void widen_n(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
+    for (; i < n; i++) dst[i] = widen1(src[i]);
+}
+
+/* y = bf16(y + d), rounded to nearest even (round_bf16 eight at a time) */
+static void add_round_n(uint16_t *y, const float *d, int64_t n) {
+    const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_add_ps(widen8(y + i), _mm256_loadu_ps(d + i)));
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+        u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, odd)), 16);
+        u = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_castsi256_si128(u));
+    }
+    for (; i < n; i++) y[i] = round_bf16(widen1(y[i]) + d[i]);
+}
+
+typedef struct {
+    const dl_lora *L;
+    const void *x;
+    void *y;
+    int x_bf16, y_bf16;
+    const int64_t *blocks; /* block b: rows [blocks[3b], blocks[3b + 1]) of slot blocks[3b + 2] */
+    atomic_int failed;     /* a block's scratch allocation failed */
+} lora_job;
+
+static void lora_rows(const dl_lora *L, const float *x, float *y, int64_t rows, int64_t s) {
+    float xa[LORA_ROWS * LORA_COLS];
+    if (L->wide) {
+        lora_down_wide(L, L->a + s * L->K, x, rows, xa);
+        lora_up_wide(L, s, xa, y, rows);
+    } else {
+        lora_down_avx2(L, L->a + s * L->K, x, rows, xa);
+        lora_up_avx2(L, s, xa, y, rows);
+    }
+}
+
+/* one block: up to LORA_ROWS consecutive rows of one slot; bf16 rows are widened into a
+   scratch of the block's own (a whole step's would be megabytes, faulted in every call) */
+static void lora_chunk(void *ctx, int64_t c) {
+    lora_job *j = ctx;
+    const dl_lora *L = j->L;
+    const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
+    const int64_t K = L->K, N = L->N;
+    float *xf = j->x_bf16 ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
+    float *yf = j->y_bf16 ? calloc(rows * N, sizeof(float)) : (float *)j->y + m0 * N;
+    if (xf && yf) {
+        if (j->x_bf16) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
+        lora_rows(L, xf, yf, rows, s);
+        if (j->y_bf16) add_round_n((uint16_t *)j->y + m0 * N, yf, rows * N);
+    } else {
+        atomic_store(&j->failed, 1);
+    }
+    if (j->x_bf16) free(xf);
+    if (j->y_bf16) free(yf);
+}
+
+/* x [M, K], y [M, N] (fp32, or bf16 where flagged) += each row's delta: a bf16 x widened
+   exactly, a bf16 y given the fp32 delta then rounded once, as torch adds an fp32 product
+   into a bf16 tensor; SLUICE_E_ADAPTER for a slot outside -1..S-1 */
+static int lora_apply(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
+                      int64_t M, const int64_t *row_slots, int threads) {
+    for (int64_t m = 0; m < M; m++)
+        if (row_slots[m] < -1 || row_slots[m] >= L->slots) return SLUICE_E_ADAPTER;
+    if (!L->a) return SLUICE_OK;
+    int64_t *blocks = malloc(3 * M * sizeof(int64_t)), n = 0;
+    if (!blocks) return SLUICE_E_NOMEM;
+    for (int64_t m = 0, e; m < M; m = e) {
+        const int64_t s = row_slots[m];
+        for (e = m + 1; e < M && e - m < LORA_ROWS && row_slots[e] == s;) e++;
+        if (s >= 0 && L->targeted[s]) {
+            blocks[3 * n] = m, blocks[3 * n + 1] = e, blocks[3 * n + 2] = s;
+            n++;
+        }
+    }
+    lora_job job = {L, x, y, x_bf16, y_bf16, blocks, 0};
+    if (threads > 1 && n > 1) {
+        parallel_for(lora_chunk, &job, n, threads);
+    } else {
+        for (int64_t c = 0; c < n; c++) lora_chunk(&job, c);
+    }
+    free(blocks);
+    return atomic_load(&job.failed) ? SLUICE_E_NOMEM : SLUICE_OK;
+}
+
+int sluice_lora_add(const dl_lora *L, const void *x, int x_bf16, void *y, int y_bf16,
+                    int64_t M, const int64_t *row_slots, int threads) {
+    if (M < 1 || threads < 1 || L->parts < 1 || L->parts > 4 || L->parts * L->rank > LORA_COLS)
+        return SLUICE_E_ARGS;
+    return lora_apply(L, x, x_bf16, y, y_bf16, M, row_slots, threads);
+}
+
 /* ---- sluice_decode_layers: every decoder layer of a small decode step in one call ----
 
    What `DecoderLayer.forward_decode` does per layer, with the same kernels in the same
@@ -1266,9 +1541,12 @@ static int dl_linear(const dl_model *m, const dl_proj *p, const float *x, float 
     return sluice_bf16_linear(p->w, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);
 }
 
+/* lora: NULL, or per layer the qkv, o, gate_up and down adapters (`dl_lora`), with
+   row_slots [M] each row's slot (-1: the base model) */
 int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, int64_t M,
                          const int64_t *pos, const int64_t *slots, const int64_t *table,
-                         int64_t nblk, const int64_t *num_keys) {
+                         int64_t nblk, const int64_t *num_keys, const dl_lora *lora,
+                         const int64_t *row_slots) {
     const int64_t H = m->H, I = m->I, D = m->D, qkv_w = (m->Hq + 2 * m->Hkv) * D;
     if (M < 1 || M > 4 || !attn_shape_ok(m->Hq, m->Hkv, D, m->bs, m->blocks))
         return SLUICE_E_ARGS;
@@ -1292,16 +1570,21 @@ int sluice_decode_layers(const dl_model *m, const dl_layer *layers, float *h, in
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
         const dl_layer *L = layers + l;
         sluice_rms_norm(h, L->in_norm, m->eps, x, M, H);
+        const dl_lora *ad = lora ? lora + 4 * l : NULL;
         if ((rc = dl_linear(m, &L->qkv, x, qkv, M, 0))) break;
+        if (ad && (rc = lora_apply(ad, x, 0, qkv, 0, M, row_slots, 1))) break;
         rope_rows(qkv, qkv_w, M, m->rope, pos, m->Hq + m->Hkv, D / 2);
         rc = attn_decode_run(qkv, qkv_w, L->cache, slots, table, nblk, num_keys, L->window,
                              M, m->Hq, m->Hkv, D, m->bs, m->scale, attn, attn_threads,
                              m->cache_bf16);
         if (rc || (rc = dl_linear(m, &L->o, attn, h, M, 1))) break;
+        if (ad && (rc = lora_apply(ad + 1, attn, 0, h, 0, M, row_slots, 1))) break;
         sluice_rms_norm(h, L->post_norm, m->eps, x, M, H);
         if ((rc = dl_linear(m, &L->gate_up, x, gu, M, 0))) break;
+        if (ad && (rc = lora_apply(ad + 2, x, 0, gu, 0, M, row_slots, 1))) break;
         sluice_silu_mul(gu, act, M, I);
-        rc = dl_linear(m, &L->down, act, h, M, 1);
+        if ((rc = dl_linear(m, &L->down, act, h, M, 1))) break;
+        if (ad && (rc = lora_apply(ad + 3, act, 0, h, 0, M, row_slots, 1))) break;
     }
     free(x);
     return rc;

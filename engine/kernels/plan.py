@@ -1,5 +1,6 @@
-"""The weights the kernels take (`ProjWeights`, `LayerWeights`) and the C description of a
-model's decoder layers for `CpuOps.decode_layers` (`DecodePlan`), checked as it is built."""
+"""The weights the kernels take (`ProjWeights`, `LayerWeights`, `LoRAProj`) and the C
+descriptions of a model's decoder layers for `CpuOps.decode_layers` (`DecodePlan`) and of
+its LoRA adapters (`LoRAPlan`), checked as they are built."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.engine.kernels.checks import BF16, F32, F32_BF16, I8, bad, tensor
+from sluice.engine.kernels.checks import BF16, F32, F32_BF16, I8, U8, bad, tensor
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -36,6 +37,17 @@ class _Model(ctypes.Structure):
         ("cache_bf16", ctypes.c_int32), ("threads", ctypes.c_int32), ("min_work", _I),
         ("blocks", _I), ("positions", _I),
     ]  # fmt: skip
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [
+        ("a", _P), ("b", _P), ("targeted", _P), ("parts", _I), ("rank", _I), ("slots", _I),
+        ("K", _I), ("N", _I), ("off", _I * 4), ("width", _I * 4), ("wide", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+# parts * rank of one projection at most (cpu_ops.c LORA_COLS: the kernel's stack scratch)
+LORA_COLS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,3 +175,57 @@ def build_plan(
         rope.data_ptr(), int(kv_caches[0].dtype == torch.bfloat16), 1, 0, blocks, positions,
     )  # fmt: skip
     return DecodePlan(model, array, (tuple(layers), tuple(kv_caches), rope))
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAProj:
+    """One fused projection's adapters, every slot, as `CpuOps.lora_add` reads them (the
+    layout of `engine.models.lora.FusedLoRA`): fp32 A `a` [P, R, S, K] and B `b` [P, R, S,
+    N], part p's B zero outside its `widths[p]` columns (the parts in order, the scale
+    folded in); `targeted` uint8 [S], whether slot s's adapter has this projection."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    widths: tuple[int, ...]
+    targeted: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAPlan:
+    """Projections' adapters for `CpuOps.lora_add` and `decode_layers` (per layer its qkv,
+    o, gate_up and down, in that order); it holds the tensors whose addresses it keeps, so
+    it stays valid while they are written in place (a slot loaded or cleared)."""
+
+    projs: ctypes.Array[_LoRA]
+    keep: tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARows:
+    """A step's adapters: the plan and each flat row's slot (int64 [rows], -1: base)."""
+
+    plan: LoRAPlan
+    row_slots: torch.Tensor
+
+
+def _lora(op: str, i: int, p: LoRAProj | None, slots: int, wide: bool) -> _LoRA:
+    if p is None:  # no adapter has this projection: the kernel adds nothing
+        return _LoRA(None, None, None, 1, 0, slots, 0, 0)
+    parts, rank, s, k = tensor(op, f"projs[{i}].a", p.a, F32, (len(p.widths), None, slots, None))
+    n = sum(p.widths)
+    tensor(op, f"projs[{i}].b", p.b, F32, (parts, rank, s, n))
+    tensor(op, f"projs[{i}].targeted", p.targeted, U8, (slots,))
+    if not 1 <= parts <= 4 or parts * rank > LORA_COLS:
+        raise bad(op, f"projs[{i}]: 1..4 parts of parts * rank <= {LORA_COLS}")
+    offsets = [sum(p.widths[:j]) for j in range(parts)]
+    return _LoRA(
+        p.a.data_ptr(), p.b.data_ptr(), p.targeted.data_ptr(), parts, rank, slots, k, n,
+        (_I * 4)(*offsets), (_I * 4)(*p.widths), int(wide),
+    )  # fmt: skip
+
+
+def build_lora_plan(projs: Sequence[LoRAProj | None], slots: int, wide: bool) -> LoRAPlan:
+    """`CpuOps.lora_plan`: `wide`, the AVX-512F form of the kernel."""
+    op = "lora_plan"
+    array = (_LoRA * len(projs))(*(_lora(op, i, p, slots, wide) for i, p in enumerate(projs)))
+    return LoRAPlan(array, tuple(projs))

@@ -375,8 +375,9 @@ class LlamaForCausalLM(nn.Module):
         if meta.cpu_ops is not None and plan is not None:
             assert meta.positions is not None and meta.slot_mapping is not None
             assert meta.block_table is not None and meta.num_keys is not None
+            lora = None if meta.lora is None else meta.lora.kernel
             meta.cpu_ops.decode_layers(
-                plan, h, meta.positions, meta.slot_mapping, meta.block_table, meta.num_keys
+                plan, h, meta.positions, meta.slot_mapping, meta.block_table, meta.num_keys, lora
             )
             return h
         if meta.cpu_ops is not None or meta.bf16_ops is not None:

@@ -16,6 +16,10 @@ per op rather than per flop. A step of many rows pays for the other slots' colum
 (slots times the flops), so there the runner orders the step's requests by slot and each
 run of rows of one adapter does `y[run] += (x[run] @ A_slot^T) @ B_slot` on its slot's
 strided view of the same tensors (`LoRAStep.segments`).
+With the CPU kernels (`engine.kernels`), a step instead makes one `CpuOps.lora_add` call a
+projection over the same tensors (`LoRAWeights.kernel_plan`), each row by its own slot,
+and a small decode step adds the deltas inside the one-call `CpuOps.decode_layers` (its
+projections' LoRA pointers and the rows' slots).
 No merged weights: the base projections run as they do without adapters. The rank
 dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
 bigger adapters arrive, up to `max_lora_rank`.
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice.engine.kernels import LORA_COLS, CpuOps, LoRAPlan, LoRAProj, LoRARows
 from sluice.engine.lora import WEIGHTS_FILE, LoRAAdapterError, LoRAConfig, LoRARequest
 from sluice.engine.models.llama import LlamaConfig, interleave_rope_rows
 
@@ -117,6 +122,19 @@ class FusedLoRA:
             a_view[:r] = a
             b_view[:r] = b.t()
 
+    def kernel_proj(self) -> LoRAProj | None:
+        """These weights as `CpuOps.lora_add` reads them (views: a slot loaded or cleared
+        later is seen), or None when no adapter targets this projection."""
+        if not self.active or self.dtype != torch.float32:
+            return None
+        shape = (len(self.out_sizes), self.rank, self.num_slots)
+        return LoRAProj(
+            self.a.view(*shape, self.in_features),
+            self.b.view(*shape, self.out_features),
+            tuple(self.out_sizes),
+            torch.tensor(self.targeted, dtype=torch.uint8),
+        )
+
     def add_rows(self, x: torch.Tensor, y: torch.Tensor, slot: int, start: int, end: int) -> None:
         """y[start:end] += slot `slot`'s delta of x[start:end]."""
         if not self.targeted[slot]:
@@ -157,6 +175,10 @@ class LoRAWeights:
         self.rank = 0
         self.loaded: list[LoRARequest | None] = [None] * num_slots
         self.shapes = module_shapes(cfg)
+        # the kernels' description of these weights (`kernel_plan`), rebuilt after a load
+        # or clear: a grown rank reallocates the tensors, and `targeted` changes
+        self._plan: LoRAPlan | None = None
+        self._plan_stale = True
         self.layers: list[dict[str, FusedLoRA]] = []
         for _ in range(cfg.num_hidden_layers):
             fused = {}
@@ -189,6 +211,7 @@ class LoRAWeights:
             fused.set_slot(slot, part, a, b * config.scale)
             fused.targeted[slot] = 1
         self.loaded[slot] = lora
+        self._plan_stale = True
         logger.info("adapter %s loaded into slot %s (rank %s)", lora.name, slot, config.rank)
 
     def clear(self, slot: int) -> None:
@@ -199,6 +222,18 @@ class LoRAWeights:
                         fused.set_slot(slot, part, None, None)
                     fused.targeted[slot] = 0
         self.loaded[slot] = None
+        self._plan_stale = True
+
+    def kernel_plan(self, ops: CpuOps) -> LoRAPlan | None:
+        """Every layer's qkv, o, gate_up and down adapters for `ops.lora_add` and
+        `ops.decode_layers`, or None when the kernel does not take them (not fp32, or
+        parts * rank over its `LORA_COLS`)."""
+        if self._plan_stale:
+            self._plan_stale = False
+            fits = self.dtype == torch.float32 and 3 * self.rank <= LORA_COLS
+            projs = [fused.kernel_proj() for layer in self.layers for fused in layer.values()]
+            self._plan = ops.lora_plan(projs, self.num_slots) if fits else None
+        return self._plan
 
     def _all(self) -> list[FusedLoRA]:
         return [fused for layer in self.layers for fused in layer.values()]
@@ -246,6 +281,8 @@ class LoRAWeights:
         return out
 
 
+_INDEX = {name: i for i, name in enumerate(FUSED_PARTS)}
+
 # rows per run of one adapter from which a step computes per run rather than masked: a
 # run costs two or three ops per projection, the mask every slot's columns for each row
 SEGMENT_ROWS = 8
@@ -253,21 +290,35 @@ SEGMENT_ROWS = 8
 
 @dataclass(slots=True)
 class LoRAStep:
-    """One step's adapters, by flat row: either `segments`, the runs of rows of one slot
-    (start, end, slot), or `onehot` [rows, slots] (1 where a row's slot is), from which
-    the per-width masks are built on first use by a layer and shared by the others."""
+    """One step's adapters, by flat row: `kernel`, every row's slot for `CpuOps.lora_add`
+    (one call a projection, inside `decode_layers` too); else either `segments`, the runs
+    of rows of one slot (start, end, slot), or `onehot` [rows, slots] (1 where a row's slot
+    is), from which the per-width masks are built on first use by a layer and shared by
+    the others."""
 
     weights: LoRAWeights
     onehot: torch.Tensor | None
     segments: list[tuple[int, int, int]] | None
     serial: bool  # SERIAL_ROWS or fewer: the deltas on this thread alone
+    kernel: LoRARows | None = None
+    ops: CpuOps | None = None
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def for_rows(cls, weights: LoRAWeights, row_slots: list[int]) -> LoRAStep:
-        """`row_slots[i]`: the slot of flat row i (-1: the base model)."""
+    def for_rows(
+        cls, weights: LoRAWeights, row_slots: list[int], ops: CpuOps | None = None
+    ) -> LoRAStep:
+        """`row_slots[i]`: the slot of flat row i (-1: the base model); `ops`: the
+        kernels, which compute every step's deltas where they take the weights: one call a
+        projection where torch takes a few ops per run of rows (a prefill's long runs are
+        about as fast either way on one thread, and the kernel's helpers never wait for a
+        thread that is off its core, where torch's pool stalls on a busy host)."""
         num_rows = len(row_slots)
         serial = num_rows <= SERIAL_ROWS
+        plan = None if ops is None else weights.kernel_plan(ops)
+        if plan is not None:
+            rows = LoRARows(plan, torch.tensor(row_slots, dtype=torch.int64))
+            return cls(weights, None, None, serial, rows, ops)
         runs: list[tuple[int, int, int]] = []
         start = 0
         for i in range(1, num_rows + 1):
@@ -293,6 +344,15 @@ class LoRAStep:
         """y += the LoRA delta of layer `layer`'s projection `name` at input x."""
         fused = self.weights.layers[layer][name]
         if not fused.active:
+            return
+        kernel = self.kernel
+        if kernel is not None:
+            assert self.ops is not None
+            index = len(FUSED_PARTS) * layer + _INDEX[name]
+            out = y if y.is_contiguous() else y.contiguous()
+            self.ops.lora_add(kernel.plan, index, x.contiguous(), out, kernel.row_slots)
+            if out is not y:
+                y.copy_(out)
             return
         threads = torch.get_num_threads()
         if self.serial:

@@ -214,6 +214,7 @@ class ModelRunner:
         self._logits_processor = LogitsProcessor()
         # the adapters' slot weights, made when the first adapter loads
         self.lora_weights: LoRAWeights | None = None
+        self._lora_ops = ops  # the adapters' deltas on the kernels (LoRAStep.for_rows)
         self._lora_configs: dict[LoRARequest, LoRAConfig] = {}
 
     def lora_config(self, lora: LoRARequest) -> LoRAConfig:
@@ -283,8 +284,8 @@ class ModelRunner:
                 bf16_ops=self.bf16_ops,
             )
             lora = inputs.meta.lora = self._lora_step(scheduler_output)
-            # the one-call decode plan has no adapters: a step with some runs layer by layer
-            if inputs.meta.cpu_ops is not None and lora is None:
+            # the one-call decode plan adds adapters' deltas where the kernel takes them
+            if inputs.meta.cpu_ops is not None and (lora is None or lora.kernel is not None):
                 inputs.meta.decode_plan = self.decode_plan
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches
@@ -340,7 +341,7 @@ class ModelRunner:
         for s in decodes + prefills:
             slot = s.request.lora_slot
             rows += [-1 if slot is None else slot] * s.num_new_tokens
-        return LoRAStep.for_rows(weights, rows)
+        return LoRAStep.for_rows(weights, rows, self._lora_ops)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
         """The step's sampled tokens from the model's last hidden states."""
