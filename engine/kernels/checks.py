@@ -16,6 +16,7 @@ F32: tuple[torch.dtype, ...] = (torch.float32,)
 BF16: tuple[torch.dtype, ...] = (torch.bfloat16,)
 I64: tuple[torch.dtype, ...] = (torch.int64,)
 I8: tuple[torch.dtype, ...] = (torch.int8,)
+U8: tuple[torch.dtype, ...] = (torch.uint8,)
 F32_BF16: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 # cpu_ops.c's return codes (its SLUICE_E_* enum): the exception and what it means
