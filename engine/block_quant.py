@@ -138,10 +138,13 @@ class BlockQuantLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.ops is None or self.kernel is None or x2.shape[0] == 0:
             return self._torch_forward(x2, shape, out)
-        if out is not None and out.dtype == torch.float32 and out.dim() == 2:
-            self.ops.q_linear(x2.float().contiguous(), self.kernel, out=out)
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        if out is not None and out.dim() == 2 and out.dtype in (torch.float32, torch.bfloat16):
+            self.ops.q_linear(x2, self.kernel, out=out)
             return out
-        y = self.ops.q_linear(x2.float().contiguous(), self.kernel)
+        y = self.ops.q_linear(x2, self.kernel, dtype=x2.dtype)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if out is None else out.add_(y)
 

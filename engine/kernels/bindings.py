@@ -28,7 +28,7 @@ _C = ctypes.c_int
 _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_bf16_linear": ([_P, _P, _P, _P, _I, _I, _I, _C, _C, _C], _C),
     "sluice_int8_linear": ([_P, _P, _P, _P, _P, _I, _I, _I, _C, _C], _C),
-    "sluice_q_linear": ([_P, _C, _P, _P, _P, _I, _I, _I, _C, _C, _C], _C),
+    "sluice_q_linear": ([_P, _C, _P, _P, _P, _I, _I, _I, _C, _C, _C, _C, _C], _C),
     "sluice_rms_norm": ([_P, _P, _F, _P, _I, _I], None),
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I, _I], _C),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
@@ -153,23 +153,30 @@ class CpuOps:
         return self.linear(x, ProjWeights(qweight, bias, scale=scale), out)
 
     def q_linear(
-        self, x: torch.Tensor, proj: ProjWeights, out: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        proj: ProjWeights,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """x [M, K] (any M) @ `proj`.T (+ bias) -> fp32 [M, N] for `proj` in blocks of 32
-        (`bits` 4 or 8, engine/block_quant.py); with `out`, adds to it. Each x block is
-        quantized to int8 in the kernel (see cpu_ops.c)."""
-        m, k = tensor("q_linear", "x", x, F32, (None, None))
+        """x [M, K] (any M, fp32 or bf16) @ `proj`.T (+ bias) -> [M, N] in `dtype` (fp32
+        or bf16) for `proj` in blocks of 32 (`bits` 4 or 8, engine/block_quant.py); with
+        `out` (fp32 or bf16), adds to it. Each x block is quantized to int8 in the kernel
+        (see cpu_ops.c)."""
+        m, k = tensor("q_linear", "x", x, F32_BF16, (None, None))
         if not proj.bits:
             raise bad("q_linear", "proj is not in blocks (bits 4 or 8)")
         n = check_proj("q_linear", "proj", proj, None, k)
         if out is None:
-            y = torch.empty((m, n), dtype=torch.float32)
+            y = torch.empty((m, n), dtype=dtype)
+            tensor("q_linear", "dtype", y, F32_BF16, (m, n))
         else:
             y = out
-            tensor("q_linear", "out", out, F32, (m, n))
+            tensor("q_linear", "out", out, F32_BF16, (m, n))
         rc = self._q_linear(
             proj.weight.data_ptr(), proj.bits, x.data_ptr(), _ptr(proj.bias), y.data_ptr(),
             m, n, k, _threads(m * n * k), int(out is not None), int(self.vnni),
+            int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16),
         )  # fmt: skip
         if rc:
             raise error("q_linear", rc)

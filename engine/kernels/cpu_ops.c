@@ -544,7 +544,8 @@ int sluice_int8_linear(const int8_t *W, const float *scale, const float *x, cons
 }
 
 /* ---- sluice_q_linear: y = x @ W^T (+ bias) (or y +=) for block-quantized W [N, K],
-   fp32 x [M, K], any M, K a multiple of 32 ----
+   x [M, K] fp32 or bf16, y fp32 or bf16 (rounded once, after any accumulation), any M,
+   K a multiple of 32 ----
 
    The projections of a GGUF model kept in its quantized blocks (engine/block_quant.py):
    each W row is K/32 blocks of 32 weights, `bits` 4 (q4_block: w = d * q + m, q 0..15,
@@ -592,9 +593,9 @@ typedef struct {
     const uint8_t *W;
     const int8_t *xq;
     const float *xd, *xm, *bias; /* xd: x block scales [M, nb]; xm: xd * block sum */
-    float *y;
-    int64_t M, N, K, nb, rows; /* rows: output rows a chunk */
-    int bits, acc;
+    void *y;                     /* fp32, or bf16 with y_bf16 */
+    int64_t M, N, K, nb, rows;   /* rows: output rows a chunk */
+    int bits, acc, y_bf16;
 } q_job;
 
 /* s[m] = dot of W row n with x rows m0 .. m0+MT-1; two accumulators a row (even and odd
@@ -644,7 +645,16 @@ INLINE void q_rows(const q_job *j, int64_t n0, int64_t n1, int64_t m0, const int
         float s[Q_MAX_MT];
         q_row(j, n, m0, s, MT, bits, dot);
         const float b = j->bias ? j->bias[n] : 0.0f;
-        for (int m = 0; m < MT; m++) STORE(j->y[(m0 + m) * j->N + n], s[m] + b);
+        for (int m = 0; m < MT; m++) {
+            const int64_t i = (m0 + m) * j->N + n;
+            if (j->y_bf16) {
+                uint16_t *y = j->y;
+                y[i] = round_bf16(s[m] + b + (acc ? widen1(y[i]) : 0.0f));
+            } else {
+                float *y = j->y;
+                STORE(y[i], s[m] + b);
+            }
+        }
     }
 }
 
@@ -684,23 +694,27 @@ static void q_chunk_avx2(void *ctx, int64_t c) {
         q_rows_avx2(j, n0, n1, m0, (int)(j->M - m0 < Q_MAX_MT ? j->M - m0 : Q_MAX_MT));
 }
 
-/* x rows -> int8 blocks: q = round(x / d), d = absmax / 127 per 32 (0 for a zero block);
-   xm = d * sum(q), the factor of a 4-bit block's min */
-static void quantize_q8_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
-                             float *xm) {
+static inline __m256 load8(const void *x, int64_t i, int bf16) {
+    return bf16 ? widen8((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+}
+
+/* x rows (fp32, or bf16 with x_bf16) -> int8 blocks: q = round(x / d), d = absmax / 127
+   per 32 (0 for a zero block); xm = d * sum(q), the factor of a 4-bit block's min */
+static void quantize_q8_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq,
+                             float *xd, float *xm) {
     const int64_t nb = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = 0; i < M * nb; i++) {
-        const float *v = x + i * QK;
-        __m256 vmax = _mm256_setzero_ps();
-        for (int k = 0; k < QK; k += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+        __m256 v[4], vmax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = load8(x, i * QK + 8 * k, x_bf16);
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v[k]));
+        }
         const float amax = hmax(vmax);
         const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i q[4];
-        for (int k = 0; k < 4; k++)
-            q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), inv));
+        for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
         const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                                _mm256_packs_epi32(q[2], q[3]));
@@ -710,16 +724,17 @@ static void quantize_q8_rows(const float *x, int64_t M, int64_t K, int8_t *xq, f
     }
 }
 
-int sluice_q_linear(const uint8_t *W, int bits, const float *x, const float *bias, float *y,
-                    int64_t M, int64_t N, int64_t K, int threads, int acc, int vnni) {
+int sluice_q_linear(const uint8_t *W, int bits, const void *x, const float *bias, void *y,
+                    int64_t M, int64_t N, int64_t K, int threads, int acc, int vnni,
+                    int x_bf16, int y_bf16) {
     if (M < 1 || K < QK || K % QK || (bits != 4 && bits != 8) || threads < 1)
         return SLUICE_E_ARGS;
     const int64_t nb = K / QK;
     int8_t *xq = malloc((size_t)(M * K + 2 * M * nb * sizeof(float)));
     if (!xq) return SLUICE_E_NOMEM;
     float *xd = (float *)(xq + M * K), *xm = xd + M * nb;  /* K % 32 == 0: aligned */
-    quantize_q8_rows(x, M, K, xq, xd, xm);
-    q_job job = {W, xq, xd, xm, bias, y, M, N, K, nb, 16, bits, acc};
+    quantize_q8_rows(x, x_bf16, M, K, xq, xd, xm);
+    q_job job = {W, xq, xd, xm, bias, y, M, N, K, nb, 16, bits, acc, y_bf16};
     const int64_t row_bytes = nb * (bits == 4 ? sizeof(q4_block) : sizeof(q8_block));
     while (job.rows < N && job.rows * row_bytes < 65536) job.rows += 16;
     parallel_for(vnni ? q_chunk_vnni : q_chunk_avx2, &job, (N + job.rows - 1) / job.rows, threads);
@@ -1448,7 +1463,8 @@ static int dl_linear(const dl_model *m, const dl_proj *p, const float *x, float 
                      int acc) {
     const int th = dl_threads(m, M * p->N * p->K);
     if (p->kind == 4 || p->kind == 8)
-        return sluice_q_linear(p->w, p->kind, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);
+        return sluice_q_linear(p->w, p->kind, x, p->bias, y, M, p->N, p->K, th, acc, p->mode,
+                               0, 0);
     if (p->kind == 1)
         return sluice_int8_linear(p->w, p->scale, x, p->bias, y, M, p->N, p->K, th, acc);
     return sluice_bf16_linear(p->w, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);

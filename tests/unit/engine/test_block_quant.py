@@ -166,3 +166,25 @@ def test_blocks_decode_in_the_fused_plan_close_to_the_de_quantized_model(q4_gguf
     want, _ = _greedy(q4_gguf, "float32", None)
     assert [g[0] for g in got] == [w[0] for w in want]
     assert sum(g == w for g, w in zip(got, want, strict=True)) >= 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 64])
+def test_kernel_reads_and_writes_bf16(rows: int) -> None:
+    """A model computing in bf16: bf16 x (widened exactly), a bf16 result rounded once
+    after the bias and any accumulation into `out`."""
+    ops = kernels.cpu_ops()
+    assert ops is not None
+    raw = _raw(Q.Q4_1, 40, 128, 3)
+    w = dequantize(raw, Q.Q4_1).astype(np.float32)
+    proj = kernels.ProjWeights(torch.from_numpy(repack(raw, Q.Q4_1, 40, 128)), None, bits=4, k=128)
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    want = torch.from_numpy(_reference(x.float().numpy(), w)).float()
+    got = ops.q_linear(x, proj, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16)) or torch.allclose(
+        got.float(), want, rtol=8e-3, atol=1e-3
+    )
+    acc = torch.randn(rows, 40).to(torch.bfloat16)
+    summed = ops.q_linear(x, proj, out=acc.clone())
+    torch.testing.assert_close(summed.float(), (acc.float() + want), rtol=8e-3, atol=2e-2)
