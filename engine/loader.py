@@ -102,8 +102,8 @@ def load_model(
 
     quantization: None, "int8" for weight-only int8 with per-output-channel scales, or
     "gguf" to keep a quantized GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks (`engine.block_quant`),
-    which None means for such a file unless `dtype` is float32 (its exact reference path:
-    every weight de-quantized); "none" de-quantizes whatever the dtype.
+    which None means for such a file on CPU unless `dtype` is float32 (its exact reference
+    path: every weight de-quantized); "none" de-quantizes whatever the dtype.
     Raises ModelLoadError naming every missing file, or the unsupported feature.
     """
     path = resolve_model_dir(model, data_dir, config_overrides)
@@ -156,7 +156,8 @@ def _load_gguf(
         net.inv_freq = net.inv_freq / torch.from_numpy(freqs).to(net.inv_freq)
     tensors = {name: torch.from_numpy(a).to(dt) for name, a in ckpt.tensors()}
     _load_weights(net, tensors, path, "the GGUF")
-    if quantization is None and dt != torch.float32 and ckpt.is_quantized():
+    # the blocks' kernels are CPU ones: elsewhere the de-quantized weights serve faster
+    if quantization is None and dt != torch.float32 and dev.type == "cpu" and ckpt.is_quantized():
         quantization = "gguf"
     if quantization == "gguf":
         from sluice.engine.block_quant import BITS, keep_blocks
