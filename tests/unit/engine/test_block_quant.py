@@ -188,3 +188,17 @@ def test_kernel_reads_and_writes_bf16(rows: int) -> None:
     acc = torch.randn(rows, 40).to(torch.bfloat16)
     summed = ops.q_linear(x, proj, out=acc.clone())
     torch.testing.assert_close(summed.float(), (acc.float() + want), rtol=8e-3, atol=2e-2)
+
+
+@needs_kernel
+def test_a_cpu_without_vnni_gets_the_avx2_path_with_the_same_sums(tmp_path: Path) -> None:
+    """The instruction choice follows /proc/cpuinfo: an AVX2-only CPU loads the library
+    with VNNI off, and its q_linear gives what the reference of its activations gives."""
+    ops = kernels.load_cpu_ops(tmp_path, cpuinfo="processor\t: 0\nflags\t\t: avx avx2 fma\n")
+    assert ops is not None and not ops.vnni and not ops.bf16_dot
+    raw = _raw(Q.Q4_0, 9, 64, 5)
+    proj = kernels.ProjWeights(torch.from_numpy(repack(raw, Q.Q4_0, 9, 64)), None, bits=4, k=64)
+    x = torch.randn(2, 64)
+    want = _reference(x.numpy(), dequantize(raw, Q.Q4_0).astype(np.float32))
+    torch.testing.assert_close(ops.q_linear(x, proj), torch.from_numpy(want).float(),
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
