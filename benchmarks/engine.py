@@ -10,8 +10,8 @@ CPU build (`scripts/peers vllm`) runs mixed and batch-1 in its own process, its 
 interleaved with Sluice's.
 
 `python -m benchmarks.engine [--quick] [--model DIR|FILE.gguf] [--dtype bfloat16] [--vllm] [--json]`
-(a quantized GGUF keeps its Q4/Q8 blocks on Sluice's side unless `--dtype float32`, which
-de-quantizes it as HF does; llama.cpp, when installed, runs the file as it is: batch-1,
+(a GGUF is de-quantized into `--dtype` on Sluice's side unless `--quantization gguf`,
+which keeps its Q4/Q8 blocks; llama.cpp, when installed, runs the file as it is: batch-1,
 mixed and a batch of 64 through its batched decode scheduled as its server schedules, and
 the perplexity of a fixed text beside Sluice's (`benchmarks.engine_perplexity`); vLLM runs
 on a Hugging Face directory exported from the file)
@@ -361,9 +361,11 @@ def run(
     gguf: str | None = None,
     gguf_q8: str | None = None,
     vllm: bool = False,
+    quantization: str | None = None,
 ) -> dict:
     """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp.
-    `vllm`: add vLLM's CPU build from `.peers/vllm`, or say how to install it."""
+    `vllm`: add vLLM's CPU build from `.peers/vllm`, or say how to install it.
+    `quantization`: Sluice's weights as `load_model` takes it ("gguf": a GGUF's blocks)."""
     apply_process_options(engine_options())  # this process is the benchmark's root
     torch.manual_seed(0)
     if model is None:
@@ -374,7 +376,7 @@ def run(
         )
     else:  # a directory, a .gguf file or a preset name (smollm2-135m-instruct)
         path = resolve_model_dir(model, data_dir)
-    lm = load_model(path, dtype=dtype)
+    lm = load_model(path, dtype=dtype, quantization=quantization)
     work = bench_workloads(quick, lm.config.vocab_size)
     skipped: dict[str, str] = {}
     peer = _start_vllm(path, dtype, work, skipped) if vllm else None  # loads while we do
@@ -509,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for the llama.cpp peer")
     ap.add_argument("--gguf-q8", help="q8_0 GGUF of the same weights, beside Sluice's int8")
     ap.add_argument("--vllm", action="store_true", help="add vLLM (after: scripts/peers vllm)")
+    ap.add_argument(
+        "--quantization", choices=["gguf", "none"], help="Sluice's weights (gguf: a GGUF's blocks)"
+    )
     args = ap.parse_args(argv)
     result = run(
         args.quick,
@@ -519,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gguf,
         args.gguf_q8,
         args.vllm,
+        args.quantization,
     )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

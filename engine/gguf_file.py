@@ -269,11 +269,6 @@ class GGUFCheckpoint:
             out[name] = (raw, t.tensor_type)
         return out
 
-    def is_quantized(self) -> bool:
-        """Whether any tensor is in a quantized type (not F32, F16 or BF16)."""
-        plain = (_Q.F32, _Q.F16, _Q.BF16)
-        return any(t.tensor_type not in plain for t in self._reader.tensors)
-
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation (convert_hf_to_gguf.py's `LlamaModel.permute`):

@@ -156,9 +156,8 @@ def _load_gguf(
         net.inv_freq = net.inv_freq / torch.from_numpy(freqs).to(net.inv_freq)
     tensors = {name: torch.from_numpy(a).to(dt) for name, a in ckpt.tensors()}
     _load_weights(net, tensors, path, "the GGUF")
-    # the blocks' kernels are CPU ones: elsewhere the de-quantized weights serve faster
-    if quantization is None and dt != torch.float32 and dev.type == "cpu" and ckpt.is_quantized():
-        quantization = "gguf"
+    # the blocks are asked for, not the default: their kernel wins a batch-1 decode step
+    # but loses to the de-quantized weights' GEMMs from a few rows on (batches, prefill)
     if quantization == "gguf":
         from sluice.engine.block_quant import BITS, keep_blocks
 

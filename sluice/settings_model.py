@@ -119,8 +119,8 @@ class ModelSettings(SettingsBase):
         description="'int8': the projections' weights quantized to int8 (one scale per"
         " output row) as the model loads; 'gguf': a quantized GGUF's Q4_0/Q4_1/Q4_K/Q8_0"
         " blocks kept and multiplied by the native kernels; 'none': every weight"
-        " de-quantized into the dtype; unset: 'gguf' for a quantized GGUF on CPU unless the dtype"
-        " is float32 (the exact reference path), else the weights as the model has them",
+        " de-quantized into the dtype; unset: the weights as the model has them (a GGUF's"
+        " de-quantized)",
     )
     backend: Literal["torch", "sim", "upstream", "trtllm"] = Field(
         default="torch",
