@@ -87,6 +87,9 @@ def bench_engine(
     vllm: Annotated[
         bool, typer.Option(help="Add vLLM's CPU build, installed by `scripts/peers vllm`.")
     ] = False,
+    quantization: Annotated[
+        str | None, typer.Option(help="Sluice's weights: gguf (a GGUF's blocks) or none.")
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Sluice's engine vs HF generate and transformers continuous batching, side by side.
@@ -107,6 +110,7 @@ def bench_engine(
         gguf=gguf,
         gguf_q8=gguf_q8,
         vllm=vllm,
+        quantization=quantization,
     )
     emit(result, render, as_json)
 

@@ -10,9 +10,11 @@ CPU build (`scripts/peers vllm`) runs mixed and batch-1 in its own process, its 
 interleaved with Sluice's.
 
 `python -m benchmarks.engine [--quick] [--model DIR|FILE.gguf] [--dtype bfloat16] [--vllm] [--json]`
-(a GGUF model is de-quantized into `--dtype` on Sluice's and HF's side; llama.cpp, when
-installed, runs the file as it is: batch-1, and mixed through its batched decode scheduled
-as its server schedules; vLLM runs on a Hugging Face directory exported from the file)
+(a GGUF is de-quantized into `--dtype` on Sluice's side unless `--quantization gguf`,
+which keeps its Q4/Q8 blocks; llama.cpp, when installed, runs the file as it is: batch-1,
+mixed and a batch of 64 through its batched decode scheduled as its server schedules, and
+the perplexity of a fixed text beside Sluice's (`benchmarks.engine_perplexity`); vLLM runs
+on a Hugging Face directory exported from the file)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks import engine_peers as peers
-from benchmarks import vllm_peer
+from benchmarks import engine_perplexity, vllm_peer
 from benchmarks.stats import run_figures
 from benchmarks.vllm_peer import PeerError, PeerSetup, VllmPeer, Workload
 from sluice.engine.backends.base import EngineDelta, EngineRequest
@@ -228,6 +230,46 @@ def _bench_mixed(
     return w
 
 
+def _bench_batch64(lm: LoadedModel, dtype: str, gguf: Path, vocab: int) -> dict:
+    """64 requests at once (64-token prompts, 64 new tokens each), Sluice and llama.cpp's
+    batched decode interleaved, 3 reps: the batched decode rate of the same file."""
+    rng = random.Random(64)
+    prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(64)]
+    outputs = [64] * 64
+    run = SluiceRun(lm, dtype)
+    run.run(prompts[:2], [4, 4], "warm")
+    pool = run.core.scheduler.kv_cache_manager.block_pool
+    tags = itertools.count()
+
+    def sluice() -> dict:
+        pool.reset_prefix_cache()
+        return run.run(prompts, outputs, f"b{next(tags)}-")
+
+    llama = peers.llama_cpp_mixed(
+        gguf, SLUICE_CONFIG["max_num_seqs"], SLUICE_CONFIG["max_num_batched_tokens"]
+    )
+    llama(prompts[:2], [4, 4])
+    runs = _interleave(
+        {"sluice": sluice, "llama_cpp": functools.partial(llama, prompts, outputs)}, 3
+    )
+    w: dict[str, Any] = {"systems": {k: _median_of(r) for k, r in runs.items()}, "reps": 3}
+    _paired(runs, w, "sluice", "llama_cpp")
+    return w
+
+
+def _bench_perplexity(lm: LoadedModel, dtype: str, gguf: Path) -> dict:
+    """Perplexity of `engine_perplexity.TEXT` (its ids by Sluice's tokenizer), both systems."""
+    ids = lm.tokenizer.encode(engine_perplexity.TEXT)
+    ours = engine_perplexity.sluice_perplexity(SluiceRun(lm, dtype), ids)
+    theirs = engine_perplexity.llama_cpp_perplexity(gguf, ids)
+    return {
+        "tokens": len(ids),
+        "sluice": round(ours, 4),
+        "llama_cpp": round(theirs, 4),
+        "sluice_vs_llama_cpp": round(ours / theirs, 4),
+    }
+
+
 def _interleave(fns: dict[str, Any], reps: int) -> dict[str, list[dict]]:
     """Run each system `reps` times interleaved (A, B, A, B, ...), since this shared host
     drifts by 10-15 % between minutes."""
@@ -319,9 +361,11 @@ def run(
     gguf: str | None = None,
     gguf_q8: str | None = None,
     vllm: bool = False,
+    quantization: str | None = None,
 ) -> dict:
     """`gguf` / `gguf_q8`: the same weights as GGUF (the run's dtype / q8_0) for llama.cpp.
-    `vllm`: add vLLM's CPU build from `.peers/vllm`, or say how to install it."""
+    `vllm`: add vLLM's CPU build from `.peers/vllm`, or say how to install it.
+    `quantization`: Sluice's weights as `load_model` takes it ("gguf": a GGUF's blocks)."""
     apply_process_options(engine_options())  # this process is the benchmark's root
     torch.manual_seed(0)
     if model is None:
@@ -332,7 +376,7 @@ def run(
         )
     else:  # a directory, a .gguf file or a preset name (smollm2-135m-instruct)
         path = resolve_model_dir(model, data_dir)
-    lm = load_model(path, dtype=dtype)
+    lm = load_model(path, dtype=dtype, quantization=quantization)
     work = bench_workloads(quick, lm.config.vocab_size)
     skipped: dict[str, str] = {}
     peer = _start_vllm(path, dtype, work, skipped) if vllm else None  # loads while we do
@@ -362,6 +406,8 @@ def run(
             compute_dtype(lm.dtype, torch.device("cpu"), engine_options().cpu_upcast)
         ).removeprefix("torch."),
         "cpu": torch.backends.cpu.get_cpu_capability(),
+        # the projections' form: BlockQuantLinear (a GGUF's blocks), or de-quantized
+        "sluice_weights": type(lm.model.layers[0].qkv_proj).__name__,
         # other processes on this 2-core host skew every figure: judge a run by these
         "load_avg_before": round(os.getloadavg()[0], 2),
     }
@@ -384,6 +430,10 @@ def run(
                 lm, hf, dtype, quick, work["mixed"], peer, ggufs.get("llama_cpp")
             ),
         }
+        gguf_peer = ggufs.get("llama_cpp")
+        if gguf_peer is not None and peers.llama_cpp_available():
+            result["workloads"]["batch64"] = _bench_batch64(lm, dtype, gguf_peer, vocab)
+            result["perplexity"] = _bench_perplexity(lm, dtype, gguf_peer)
     finally:
         if peer is not None:
             peer.close()
@@ -461,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for the llama.cpp peer")
     ap.add_argument("--gguf-q8", help="q8_0 GGUF of the same weights, beside Sluice's int8")
     ap.add_argument("--vllm", action="store_true", help="add vLLM (after: scripts/peers vllm)")
+    ap.add_argument(
+        "--quantization", choices=["gguf", "none"], help="Sluice's weights (gguf: a GGUF's blocks)"
+    )
     args = ap.parse_args(argv)
     result = run(
         args.quick,
@@ -471,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gguf,
         args.gguf_q8,
         args.vllm,
+        args.quantization,
     )
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

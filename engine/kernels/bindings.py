@@ -38,6 +38,7 @@ _C = ctypes.c_int
 _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "sluice_bf16_linear": ([_P, _P, _P, _P, _I, _I, _I, _C, _C, _C], _C),
     "sluice_int8_linear": ([_P, _P, _P, _P, _P, _I, _I, _I, _C, _C], _C),
+    "sluice_q_linear": ([_P, _C, _P, _P, _P, _I, _I, _I, _C, _C, _C, _C, _C], _C),
     "sluice_rms_norm": ([_P, _P, _F, _P, _I, _I], None),
     "sluice_rope": ([_P, _I, _I, _P, _P, _I, _I, _I], _C),
     "sluice_silu_mul": ([_P, _P, _I, _I], None),
@@ -80,15 +81,17 @@ class CpuOps:
     and a call with any other raises ValueError naming the argument.
 
     `bf16_dot`: the CPU has AVX512-BF16, which `bf16_linear(round_x=True)`, `attn_paged`
-    and the bf16 small ops use."""
+    and the bf16 small ops use. `vnni`: it has AVX512-VNNI (with VL), which `q_linear`
+    uses (VPMADDUBSW otherwise, the same sums)."""
 
-    def __init__(self, lib: ctypes.CDLL, bf16_dot: bool = False) -> None:
-        self.bf16_dot = bf16_dot
+    def __init__(self, lib: ctypes.CDLL, bf16_dot: bool = False, vnni: bool = False) -> None:
+        self.bf16_dot, self.vnni = bf16_dot, vnni
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         self._linear = lib.sluice_bf16_linear
         self._int8_linear = lib.sluice_int8_linear
+        self._q_linear = lib.sluice_q_linear
         self._rms_norm = lib.sluice_rms_norm
         self._rope = lib.sluice_rope
         self._silu_mul = lib.sluice_silu_mul
@@ -108,6 +111,8 @@ class CpuOps:
         """x [M, K] @ `proj`.T (+ bias) -> fp32 [M, N], M <= MAX_ROWS; with `out`, adds to
         it. A bf16 weight takes fp32 x (rounded to bf16 first with `round_x`); an int8 one
         quantizes each x row to int16 with one scale in the kernel (see cpu_ops.c)."""
+        if proj.bits:
+            return self.q_linear(x, proj, out)
         m, k = tensor("linear", "x", x, F32, (None, None))
         if not 1 <= m <= MAX_ROWS:
             raise bad("linear", f"the kernels' linear takes 1..{MAX_ROWS} rows, got {m}")
@@ -159,6 +164,36 @@ class CpuOps:
         """`linear` of an int8 `qweight` [N, K] with fp32 `scale` [N] per row."""
         return self.linear(x, ProjWeights(qweight, bias, scale=scale), out)
 
+    def q_linear(
+        self,
+        x: torch.Tensor,
+        proj: ProjWeights,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """x [M, K] (any M, fp32 or bf16) @ `proj`.T (+ bias) -> [M, N] in `dtype` (fp32
+        or bf16) for `proj` in blocks of 32 (`bits` 4 or 8, engine/block_quant.py); with
+        `out` (fp32 or bf16), adds to it. Each x block is quantized to int8 in the kernel
+        (see cpu_ops.c)."""
+        m, k = tensor("q_linear", "x", x, F32_BF16, (None, None))
+        if not proj.bits:
+            raise bad("q_linear", "proj is not in blocks (bits 4 or 8)")
+        n = check_proj("q_linear", "proj", proj, None, k)
+        if out is None:
+            y = torch.empty((m, n), dtype=dtype)
+            tensor("q_linear", "dtype", y, F32_BF16, (m, n))
+        else:
+            y = out
+            tensor("q_linear", "out", out, F32_BF16, (m, n))
+        rc = self._q_linear(
+            proj.weight.data_ptr(), proj.bits, x.data_ptr(), _ptr(proj.bias), y.data_ptr(),
+            m, n, k, _threads(m * n * k), int(out is not None), int(self.vnni),
+            int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16),
+        )  # fmt: skip
+        if rc:
+            raise error("q_linear", rc)
+        return y
+
     def decode_plan(
         self,
         layers: Sequence[LayerWeights],
@@ -177,7 +212,7 @@ class CpuOps:
         return build_plan(
             layers, {False: self._mode(False), True: self._mode(True)}, heads=heads,
             kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, eps=eps, rope=rope,
-            kv_caches=kv_caches,
+            kv_caches=kv_caches, vnni=self.vnni,
         )  # fmt: skip
 
     def decode_layers(

@@ -93,18 +93,18 @@ def _build(source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load(lib_path: Path, bf16_dot: bool) -> CpuOps:
+def _load(lib_path: Path, bf16_dot: bool, vnni: bool) -> CpuOps:
     """The library at `lib_path`, built first if absent, rebuilt once if the cached file
     does not load (truncated, foreign, missing a symbol)."""
     if not lib_path.exists():
         _build(_SOURCE, lib_path)
-        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot, vnni=vnni)
     try:
-        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+        return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot, vnni=vnni)
     except (OSError, AttributeError) as e:
         logger.warning("cached CPU kernels %s do not load (%s); rebuilding", lib_path, e)
     _build(_SOURCE, lib_path)
-    return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot)
+    return CpuOps(ctypes.CDLL(str(lib_path)), bf16_dot=bf16_dot, vnni=vnni)
 
 
 def load_cpu_ops(cache: Path | None = None, cpuinfo: str | None = None) -> CpuOps | None:
@@ -120,7 +120,8 @@ def load_cpu_ops(cache: Path | None = None, cpuinfo: str | None = None) -> CpuOp
         missing = {"avx2", "fma"} - flags
         if missing:
             raise _Unavailable(f"this CPU lacks {', '.join(sorted(missing))}")
-        return _load(library_path(cache or cache_dir()), bf16_dot="avx512_bf16" in flags)
+        vnni = {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+        return _load(library_path(cache or cache_dir()), "avx512_bf16" in flags, vnni)
     except (_Unavailable, OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning(

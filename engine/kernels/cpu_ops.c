@@ -4,6 +4,7 @@
 
    sluice_bf16_linear: y = x @ W^T (+ bias) (or y +=) for bf16 W [N, K], fp32 x [M, K], M <= 4.
    sluice_int8_linear: the same for int8 W with a scale per row (its own section below).
+   sluice_q_linear: the same for W in 4- or 8-bit blocks of 32, any M (its own section).
    sluice_lora_add: y += each row's LoRA adapter delta, by the row's slot (its own section,
    also run inside sluice_decode_layers).
 
@@ -541,6 +542,205 @@ int sluice_int8_linear(const int8_t *W, const float *scale, const float *x, cons
     /* chunks of about 64 KB of weights, whole 16-row units */
     while (job.rows < N && job.rows * K < 65536) job.rows += 16;
     parallel_for(int8_chunk, &job, (N + job.rows - 1) / job.rows, threads);
+    free(xq);
+    return 0;
+}
+
+/* ---- sluice_q_linear: y = x @ W^T (+ bias) (or y +=) for block-quantized W [N, K],
+   x [M, K] fp32 or bf16, y fp32 or bf16 (rounded once, after any accumulation), any M,
+   K a multiple of 32 ----
+
+   The projections of a GGUF model kept in its quantized blocks (engine/block_quant.py):
+   each W row is K/32 blocks of 32 weights, `bits` 4 (q4_block: w = d * q + m, q 0..15,
+   two to a byte: byte j holds weight j low and j + 16 high, as GGML's Q4_0/Q4_1) or 8
+   (q8_block: w = d * q, q signed). Each x row is quantized once a call to int8 per
+   32-block (one scale, as llama.cpp's q8 activations), so a block's dot product is 32
+   exact u8 x s8 products summed in int32: VPDPBUSD (AVX512-VNNI) or VPMADDUBSW +
+   VPMADDWD (AVX2; 4-bit pairs reach 2 * 15 * 127 and 8-bit ones, taken as |w| and x
+   signed by w, 2 * 128 * 127, both below int16 saturation). The min term of a 4-bit
+   block is m * sum(x): the x block's sum times its scale, computed once a call.
+   Output rows are shared out in chunks of about 64 KB of blocks; inside a chunk each
+   unpacked weight block serves up to 4 x rows, so many rows (a batch, a prefill) reuse
+   the chunk from cache instead of streaming W once per row. */
+#define QK 32
+#define Q_MAX_MT 4
+
+typedef struct {
+    float d, m;
+    uint8_t q[QK / 2];
+} q4_block;
+
+typedef struct {
+    float d;
+    int8_t q[QK];
+} q8_block;
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+typedef __m256i (*dot32_fn)(__m256i w, __m256i x); /* 8 int32 sums of 32 u8 x s8 products */
+
+static inline __m256i dot32_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+VNNI_TARGET static inline __m256i dot32_vnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+
+static inline __m256i unpack_q4(const uint8_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+typedef struct {
+    const uint8_t *W;
+    const int8_t *xq;
+    const float *xd, *xm, *bias; /* xd: x block scales [M, nb]; xm: xd * block sum */
+    void *y;                     /* fp32, or bf16 with y_bf16 */
+    int64_t M, N, K, nb, rows;   /* rows: output rows a chunk */
+    int bits, acc, y_bf16;
+} q_job;
+
+/* s[m] = dot of W row n with x rows m0 .. m0+MT-1; two accumulators a row (even and odd
+   blocks) so consecutive FMAs do not wait on each other */
+INLINE void q_row(const q_job *j, int64_t n, int64_t m0, float *s, const int MT,
+                  const int bits, dot32_fn dot) {
+    const int64_t nb = j->nb, K = j->K;
+    const size_t bsz = bits == 4 ? sizeof(q4_block) : sizeof(q8_block);
+    const uint8_t *row = j->W + n * nb * bsz;
+    const int8_t *xq = j->xq + m0 * K;
+    const float *xd = j->xd + m0 * nb, *xm = j->xm + m0 * nb;
+    __m256 acc[2][Q_MAX_MT];
+    float macc[Q_MAX_MT];
+    for (int m = 0; m < MT; m++) {
+        acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+        macc[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int u = (int)(b & 1);
+        if (bits == 4) {
+            const q4_block *blk = (const q4_block *)(row + b * bsz);
+            const __m256i wv = unpack_q4(blk->q);
+            for (int m = 0; m < MT; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QK));
+                const __m256 p = _mm256_cvtepi32_ps(dot(wv, xv));
+                acc[u][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(blk->d * xd[m * nb + b]), acc[u][m]);
+                macc[m] += blk->m * xm[m * nb + b];
+            }
+        } else {
+            const q8_block *blk = (const q8_block *)(row + b * bsz);
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)blk->q);
+            const __m256i wa = _mm256_sign_epi8(wv, wv);
+            for (int m = 0; m < MT; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QK));
+                const __m256 p = _mm256_cvtepi32_ps(dot(wa, _mm256_sign_epi8(xv, wv)));
+                acc[u][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(blk->d * xd[m * nb + b]), acc[u][m]);
+            }
+        }
+    }
+    for (int m = 0; m < MT; m++) s[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + macc[m];
+}
+
+INLINE void q_rows(const q_job *j, int64_t n0, int64_t n1, int64_t m0, const int MT,
+                   const int bits, dot32_fn dot) {
+    const int acc = j->acc;
+    for (int64_t n = n0; n < n1; n++) {
+        float s[Q_MAX_MT];
+        q_row(j, n, m0, s, MT, bits, dot);
+        const float b = j->bias ? j->bias[n] : 0.0f;
+        for (int m = 0; m < MT; m++) {
+            const int64_t i = (m0 + m) * j->N + n;
+            if (j->y_bf16) {
+                uint16_t *y = j->y;
+                y[i] = round_bf16(s[m] + b + (acc ? widen1(y[i]) : 0.0f));
+            } else {
+                float *y = j->y;
+                STORE(y[i], s[m] + b);
+            }
+        }
+    }
+}
+
+/* MT and bits constant at each call site, so q_row's loops unroll */
+#define Q_DISPATCH(DOT)                                                               \
+    switch (mt * 16 + j->bits) {                                                      \
+        case 16 + 4: q_rows(j, n0, n1, m0, 1, 4, DOT); break;                        \
+        case 32 + 4: q_rows(j, n0, n1, m0, 2, 4, DOT); break;                        \
+        case 48 + 4: q_rows(j, n0, n1, m0, 3, 4, DOT); break;                        \
+        case 64 + 4: q_rows(j, n0, n1, m0, 4, 4, DOT); break;                        \
+        case 16 + 8: q_rows(j, n0, n1, m0, 1, 8, DOT); break;                        \
+        case 32 + 8: q_rows(j, n0, n1, m0, 2, 8, DOT); break;                        \
+        case 48 + 8: q_rows(j, n0, n1, m0, 3, 8, DOT); break;                        \
+        default: q_rows(j, n0, n1, m0, 4, 8, DOT); break;                            \
+    }
+
+VNNI_TARGET static void q_rows_vnni(const q_job *j, int64_t n0, int64_t n1, int64_t m0, int mt) {
+    Q_DISPATCH(dot32_vnni)
+}
+
+static void q_rows_avx2(const q_job *j, int64_t n0, int64_t n1, int64_t m0, int mt) {
+    Q_DISPATCH(dot32_avx2)
+}
+#undef Q_DISPATCH
+
+static void q_chunk_vnni(void *ctx, int64_t c) {
+    const q_job *j = ctx;
+    const int64_t n0 = c * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
+    for (int64_t m0 = 0; m0 < j->M; m0 += Q_MAX_MT)
+        q_rows_vnni(j, n0, n1, m0, (int)(j->M - m0 < Q_MAX_MT ? j->M - m0 : Q_MAX_MT));
+}
+
+static void q_chunk_avx2(void *ctx, int64_t c) {
+    const q_job *j = ctx;
+    const int64_t n0 = c * j->rows, n1 = n0 + j->rows < j->N ? n0 + j->rows : j->N;
+    for (int64_t m0 = 0; m0 < j->M; m0 += Q_MAX_MT)
+        q_rows_avx2(j, n0, n1, m0, (int)(j->M - m0 < Q_MAX_MT ? j->M - m0 : Q_MAX_MT));
+}
+
+static inline __m256 load8(const void *x, int64_t i, int bf16) {
+    return bf16 ? widen8((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+}
+
+/* x rows (fp32, or bf16 with x_bf16) -> int8 blocks: q = round(x / d), d = absmax / 127
+   per 32 (0 for a zero block); xm = d * sum(q), the factor of a 4-bit block's min */
+static void quantize_q8_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq,
+                             float *xd, float *xm) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < M * nb; i++) {
+        __m256 v[4], vmax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = load8(x, i * QK + 8 * k, x_bf16);
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v[k]));
+        }
+        const float amax = hmax(vmax);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                               _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i * QK), _mm256_permutevar8x32_epi32(p16, order));
+        xd[i] = amax / 127.0f;
+        xm[i] = xd[i] * hsum(_mm256_cvtepi32_ps(sum));
+    }
+}
+
+int sluice_q_linear(const uint8_t *W, int bits, const void *x, const float *bias, void *y,
+                    int64_t M, int64_t N, int64_t K, int threads, int acc, int vnni,
+                    int x_bf16, int y_bf16) {
+    if (M < 1 || K < QK || K % QK || (bits != 4 && bits != 8) || threads < 1)
+        return SLUICE_E_ARGS;
+    const int64_t nb = K / QK;
+    int8_t *xq = malloc((size_t)(M * K + 2 * M * nb * sizeof(float)));
+    if (!xq) return SLUICE_E_NOMEM;
+    float *xd = (float *)(xq + M * K), *xm = xd + M * nb;  /* K % 32 == 0: aligned */
+    quantize_q8_rows(x, x_bf16, M, K, xq, xd, xm);
+    q_job job = {W, xq, xd, xm, bias, y, M, N, K, nb, 16, bits, acc, y_bf16};
+    const int64_t row_bytes = nb * (bits == 4 ? sizeof(q4_block) : sizeof(q8_block));
+    while (job.rows < N && job.rows * row_bytes < 65536) job.rows += 16;
+    parallel_for(vnni ? q_chunk_vnni : q_chunk_avx2, &job, (N + job.rows - 1) / job.rows, threads);
     free(xq);
     return 0;
 }
@@ -1504,13 +1704,14 @@ int sluice_lora_add(const dl_lora *L, const void *x, int x_bf16, void *y, int y_
    order and the same thread counts, so the hidden states are bit-identical to it: the
    Python glue around ~10 kernel calls a layer (argument conversion, tensor allocation)
    cost about as much as the step's attention. The
-   projections are bf16 (`mode` as sluice_bf16_linear's) or int8 (`scale` per row). */
+   projections are (`kind`) 0 bf16 (`mode` as sluice_bf16_linear's), 1 int8 (`scale` per
+   row), or 4 or 8 quantized blocks (sluice_q_linear's `bits`; `mode` its `vnni`). */
 typedef struct {
     const void *w;
     const float *scale; /* int8 only */
     const float *bias;
     int64_t N, K;
-    int32_t int8, mode;
+    int32_t kind, mode;
 } dl_proj;
 
 typedef struct {
@@ -1536,7 +1737,10 @@ static int dl_threads(const dl_model *m, int64_t work) {
 static int dl_linear(const dl_model *m, const dl_proj *p, const float *x, float *y, int64_t M,
                      int acc) {
     const int th = dl_threads(m, M * p->N * p->K);
-    if (p->int8)
+    if (p->kind == 4 || p->kind == 8)
+        return sluice_q_linear(p->w, p->kind, x, p->bias, y, M, p->N, p->K, th, acc, p->mode,
+                               0, 0);
+    if (p->kind == 1)
         return sluice_int8_linear(p->w, p->scale, x, p->bias, y, M, p->N, p->K, th, acc);
     return sluice_bf16_linear(p->w, x, p->bias, y, M, p->N, p->K, th, acc, p->mode);
 }

@@ -14,12 +14,14 @@ from sluice.engine.kernels.checks import BF16, F32, F32_BF16, I8, U8, bad, tenso
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+# bytes of a block of 32 weights in `CpuOps.q_linear`, by bits (engine/block_quant.py)
+BLOCK_BYTES = {4: 24, 8: 36}
 
 
 class _Proj(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("scale", _P), ("bias", _P), ("N", _I), ("K", _I),
-        ("int8", ctypes.c_int32), ("mode", ctypes.c_int32),
+        ("kind", ctypes.c_int32), ("mode", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -53,12 +55,19 @@ LORA_COLS = 1024
 @dataclass(frozen=True, slots=True)
 class ProjWeights:
     """One projection as the kernels take it: bf16 `weight` (`round_x`: x rounded to bf16
-    first, see `CpuOps.bf16_linear`) or int8 `weight` with fp32 `scale` per row; fp32 bias."""
+    first, see `CpuOps.bf16_linear`), int8 `weight` with fp32 `scale` per row, or (`bits`
+    4 or 8) uint8 `weight` [N, k/32 blocks] of `CpuOps.q_linear`, k its inputs; fp32 bias."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     scale: torch.Tensor | None = None
     round_x: bool = False
+    bits: int = 0
+    k: int = 0
+
+    @property
+    def in_features(self) -> int:
+        return self.k if self.bits else self.weight.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +95,14 @@ class DecodePlan:
 
 def check_proj(op: str, name: str, p: ProjWeights, n: int | None, k: int | None) -> int:
     """The output width N of projection `p` after checking its weight ([n, k], bf16, or
-    int8 with an fp32 `scale` [N]) and fp32 bias [N]."""
+    int8 with an fp32 `scale` [N], or blocks of `bits`) and fp32 bias [N]."""
     int8 = p.scale is not None
-    n_out, _ = tensor(op, f"{name}.weight", p.weight, I8 if int8 else BF16, (n, k))
+    if p.bits:
+        if p.bits not in BLOCK_BYTES or p.k <= 0 or p.k % 32 or (k is not None and p.k != k):
+            raise bad(op, f"{name}: {p.bits}-bit blocks of {p.k} inputs, expected {k}")
+        n_out, _ = tensor(op, f"{name}.weight", p.weight, U8, (n, p.k // 32 * BLOCK_BYTES[p.bits]))
+    else:
+        n_out, _ = tensor(op, f"{name}.weight", p.weight, I8 if int8 else BF16, (n, k))
     if p.scale is not None:
         tensor(op, f"{name}.scale", p.scale, F32, (n_out,))
     if p.bias is not None:
@@ -96,10 +110,11 @@ def check_proj(op: str, name: str, p: ProjWeights, n: int | None, k: int | None)
     return n_out
 
 
-def _proj(p: ProjWeights, mode: int) -> _Proj:
+def _proj(p: ProjWeights, mode: dict[bool, int], vnni: int) -> _Proj:
+    kind = p.bits or int(p.scale is not None)
     return _Proj(
         p.weight.data_ptr(), _ptr(p.scale), _ptr(p.bias), p.weight.shape[0],
-        p.weight.shape[1], int(p.scale is not None), mode,
+        p.in_features, kind, vnni if p.bits else mode[p.round_x],
     )  # fmt: skip
 
 
@@ -131,11 +146,11 @@ def _check_caches(
     return blocks
 
 
-def _layer(lw: LayerWeights, cache: torch.Tensor, mode: dict[bool, int]) -> _Layer:
+def _layer(lw: LayerWeights, cache: torch.Tensor, mode: dict[bool, int], vnni: int) -> _Layer:
     return _Layer(
-        lw.in_norm.data_ptr(), lw.post_norm.data_ptr(), _proj(lw.qkv, mode[lw.qkv.round_x]),
-        _proj(lw.o, mode[lw.o.round_x]), _proj(lw.gate_up, mode[lw.gate_up.round_x]),
-        _proj(lw.down, mode[lw.down.round_x]), cache.data_ptr(), lw.window or 0,
+        lw.in_norm.data_ptr(), lw.post_norm.data_ptr(), _proj(lw.qkv, mode, vnni),
+        _proj(lw.o, mode, vnni), _proj(lw.gate_up, mode, vnni), _proj(lw.down, mode, vnni),
+        cache.data_ptr(), lw.window or 0,
     )  # fmt: skip
 
 
@@ -150,8 +165,10 @@ def build_plan(
     eps: float,
     rope: torch.Tensor,
     kv_caches: Sequence[torch.Tensor],
+    vnni: bool = False,
 ) -> DecodePlan:
-    """`CpuOps.decode_plan`, `mode` the GEMV mode of round_x False and True."""
+    """`CpuOps.decode_plan`, `mode` the GEMV mode of round_x False and True, `vnni` the
+    block kernels' (`CpuOps.q_linear`)."""
     op = "decode_plan"
     if not layers or len(layers) != len(kv_caches):
         raise bad(op, f"one KV cache a layer, got {len(kv_caches)} for {len(layers)} layers")
@@ -164,11 +181,11 @@ def build_plan(
     blocks = _check_caches(op, kv_caches, block_size, kv_heads, head_dim)
     positions = tensor(op, "rope", rope, F32, (None, head_dim // 2, 2))[0]
     h = tensor(op, "layers[0].in_norm", layers[0].in_norm, F32, (None,))[0]
-    inter = layers[0].down.weight.shape[-1]  # checked with the rest of layer 0 below
+    inter = layers[0].down.in_features  # checked with the rest of layer 0 below
     for i, lw in enumerate(layers):
         _check_layer(op, i, lw, h, inter, heads * head_dim, 2 * kv_heads * head_dim)
     array = (_Layer * len(layers))(
-        *(_layer(lw, cache, mode) for lw, cache in zip(layers, kv_caches, strict=True))
+        *(_layer(lw, cache, mode, int(vnni)) for lw, cache in zip(layers, kv_caches, strict=True))
     )
     model = _Model(
         len(layers), h, inter, heads, kv_heads, head_dim, block_size, eps, head_dim**-0.5,

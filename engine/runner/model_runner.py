@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from sluice.engine import kernels
+from sluice.engine.block_quant import BlockQuantLinear
 from sluice.engine.config import EngineConfig
 from sluice.engine.core.outputs import (
     PromptLogprobsChunk,
@@ -105,13 +106,16 @@ def _bf16_kernels_fit(cfg: LlamaConfig) -> bool:
 def _fp32_decode_ready(model: LlamaForCausalLM) -> bool:
     """Whether every projection (and the lm_head) maps an fp32 input of a few rows to fp32:
     fp32 weights, a bf16 copy for the kernel (PackedLinear.small_weight), or int8 with the
-    int8 kernel (Int8Linear.use_kernels) or an fp32 output (computing in fp32)."""
+    int8 kernel (Int8Linear.use_kernels) or an fp32 output (computing in fp32), or blocks
+    (BlockQuantLinear)."""
 
     def fp32_out(proj: torch.nn.Module) -> bool:
         if isinstance(proj, PackedLinear):
             return proj.small_weight is not None or proj.packed.dtype == torch.float32
         if isinstance(proj, Int8Linear):
             return proj.ops is not None or proj.out_dtype == torch.float32
+        if isinstance(proj, BlockQuantLinear):  # its result has its input's dtype
+            return True
         return isinstance(proj, torch.nn.Linear) and proj.weight.dtype == torch.float32
 
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -191,7 +195,7 @@ class ModelRunner:
         ops = kernels.cpu_ops() if self.device.type == "cpu" and model.has_rope_cache else None
         if ops is not None:
             for m in model.modules():
-                if isinstance(m, Int8Linear):
+                if isinstance(m, (Int8Linear, BlockQuantLinear)):
                     m.use_kernels(ops)
         # fused small decode steps: projections that take the fp32 activations of that path
         # to an fp32 result
