@@ -260,11 +260,18 @@ class CpuOps:
         return build_lora_plan(projs, slots, self.bf16_dot if wide is None else wide)
 
     def lora_add(
-        self, plan: LoRAPlan, index: int, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+        self,
+        plan: LoRAPlan,
+        index: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rows: torch.Tensor,
+        serial: bool = False,
     ) -> None:
         """y [M, N] += the delta of projection `index` of `plan` at x [M, K] for each row's
         slot (`rows`: int64 [M], -1 the base model: nothing added). x and y fp32 or bf16;
-        the low-rank products in fp32, a bf16 y rounded once after the add."""
+        the low-rank products in fp32, a bf16 y rounded once after the add. `serial`: on
+        this thread alone."""
         op, proj = "lora_add", plan.projs[index]
         m = tensor(op, "x", x, F32_BF16, (None, proj.K))[0]
         tensor(op, "y", y, F32_BF16, (m, proj.N))
@@ -272,7 +279,7 @@ class CpuOps:
         if m == 0:
             return
         x_bf16, y_bf16 = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
-        threads = _threads(m * proj.parts * proj.rank * (proj.K + proj.N))
+        threads = 1 if serial else _threads(m * proj.parts * proj.rank * (proj.K + proj.N))
         rc = self._lora_add(
             ctypes.byref(proj), x.data_ptr(), x_bf16, y.data_ptr(), y_bf16, m, rows.data_ptr(),
             threads,

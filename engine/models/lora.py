@@ -350,7 +350,12 @@ class LoRAStep:
             assert self.ops is not None
             index = len(FUSED_PARTS) * layer + _INDEX[name]
             out = y if y.is_contiguous() else y.contiguous()
-            self.ops.lora_add(kernel.plan, index, x.contiguous(), out, kernel.row_slots)
+            # serial in a small step: between the base projections' oneDNN calls torch's
+            # pool threads still spin on the other cores, and the kernel's helper waits
+            # for one of them to yield its core
+            self.ops.lora_add(
+                kernel.plan, index, x.contiguous(), out, kernel.row_slots, self.serial
+            )
             if out is not y:
                 y.copy_(out)
             return
