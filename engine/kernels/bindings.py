@@ -256,8 +256,10 @@ class CpuOps:
     ) -> LoRAPlan:
         """The C description of `projs` (None: no adapter has that projection) for
         `lora_add` and `decode_layers`; `wide`: the AVX-512F form (default: on a CPU with
-        AVX512-BF16, which has it), else AVX2."""
-        return build_lora_plan(projs, slots, self.bf16_dot if wide is None else wide)
+        AVX512-BF16, which has it), else AVX2. A wide plan on a CPU with AVX512-BF16 takes
+        a bf16 x in the `vdpbf16ps` form where a projection has its bf16 copies."""
+        wide = self.bf16_dot if wide is None else wide
+        return build_lora_plan(projs, slots, wide, wide and self.bf16_dot)
 
     def lora_add(
         self,
@@ -270,8 +272,9 @@ class CpuOps:
     ) -> None:
         """y [M, N] += the delta of projection `index` of `plan` at x [M, K] for each row's
         slot (`rows`: int64 [M], -1 the base model: nothing added). x and y fp32 or bf16;
-        the low-rank products in fp32, a bf16 y rounded once after the add. `serial`: on
-        this thread alone."""
+        the low-rank products in fp32 (a bf16 x in the `vdpbf16ps` form where the plan has
+        bf16 copies: bf16 A, B and xa, fp32 sums), a bf16 y rounded once after the add.
+        `serial`: on this thread alone."""
         op, proj = "lora_add", plan.projs[index]
         m = tensor(op, "x", x, F32_BF16, (None, proj.K))[0]
         tensor(op, "y", y, F32_BF16, (m, proj.N))

@@ -1435,7 +1435,11 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
    runner orders a step's rows by slot), each row of A and B read from memory once a block
    and from L1 for its rows four at a time; the low-rank
    products xa stay fp32, as torch's fp32 matmuls of the same tensors keep them. AVX2 + FMA
-   (the library's baseline), or 16 lanes with `wide` on a CPU with AVX-512F. */
+   (the library's baseline), or 16 lanes with `wide` on a CPU with AVX-512F.
+   A bf16 x with bf16 copies `a16`/`b16` (a plan made for a CPU with AVX512-BF16) takes the
+   `vdpbf16ps` form instead, twice the multiply-adds a cycle from half the bytes: x . A in
+   pairs along K from x as it is, then xa rounded to bf16 pairs along the rank against B
+   stored [P, R/2, S, N, 2] (an odd rank's last pair zero-padded); fp32 sums throughout. */
 #define LORA_COLS 1024 /* parts * rank at most (checked by the bindings) */
 #define LORA_ROWS 16   /* rows a block: each weight row is read from L1 for all of them */
 #define LORA_TARGET __attribute__((target("avx512f")))
@@ -1446,6 +1450,8 @@ typedef struct {
     int64_t parts, rank, slots, K, N;
     int64_t off[4], width[4];
     int32_t wide;
+    /* NULL, or bf16 A [P, R, S, K] and B pairs [P, (R + 1) / 2, S, N, 2] (AVX512-BF16) */
+    const uint16_t *a16, *b16;
 } dl_lora;
 
 /* xa[m][0] = x[m] . w for MB rows of x (K apart) */
@@ -1600,6 +1606,110 @@ LORA_PASSES(wide, LORA_TARGET, 1, 16)
 #undef LORA_DOT_CALL
 #undef LORA_AXPY_CALL
 #undef LORA_PASSES
+
+/* ---- the vdpbf16ps form: a bf16 x against bf16 copies of A and B ---- */
+#define LORA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define LORA_PAIRS (LORA_COLS / 2 + 4) /* bf16 pairs of xa a row: parts * ceil(rank / 2) */
+
+/* xa[m][j] = x[m] . A row j for J rows of A (`stride` apart) and MB bf16 rows of x (K
+   apart), 32 of K at a time: each x load feeds J dot-products of pairs */
+LORA_BF16_TARGET static inline void lora_dot_bf16(const uint16_t *w, int64_t stride,
+                                                  const uint16_t *x, int64_t K, const int J,
+                                                  const int MB, float *xa) {
+    __m512 acc[4][4];
+    for (int j = 0; j < J; j++)
+        for (int m = 0; m < MB; m++) acc[j][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mk = k + 32 <= K ? ~(__mmask32)0 : (__mmask32)((1u << (K % 32)) - 1);
+        __m512i wv[4];
+        for (int j = 0; j < J; j++) wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * stride + k);
+        for (int m = 0; m < MB; m++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + k);
+            for (int j = 0; j < J; j++)
+                acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)wv[j], xv);
+        }
+    }
+    for (int j = 0; j < J; j++)
+        for (int m = 0; m < MB; m++) xa[m * LORA_COLS + j] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+/* y[m][0:n] += sum over pairs of xp[m][r] . B pair r (16 columns of pairs, `stride`
+   apart), n <= 16, MB rows of y */
+LORA_BF16_TARGET static inline void lora_axpy_bf16(const uint16_t *B, int64_t stride,
+                                                   int64_t pairs, const uint32_t *xp, float *y,
+                                                   int64_t N, int64_t n, const int MB) {
+    const __mmask16 mk = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __mmask32 mk2 = n == 16 ? ~(__mmask32)0 : (__mmask32)((1u << (2 * n)) - 1);
+    __m512 acc[4];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N);
+    for (int64_t r = 0; r < pairs; r++) {
+        const __m512bh bv = (__m512bh)_mm512_maskz_loadu_epi16(mk2, B + r * stride);
+        for (int m = 0; m < MB; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xp[m * LORA_PAIRS + r]);
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)xv, bv);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm512_mask_storeu_ps(y + m * N, mk, acc[m]);
+}
+
+#define LORA_DOT4_BF16_CALL(MB) lora_dot_bf16(w, stride, xm, K, 4, MB, out)
+#define LORA_DOT1_BF16_CALL(MB) lora_dot_bf16(w, stride, xm, K, 1, MB, out)
+#define LORA_AXPY_BF16_CALL(MB) lora_axpy_bf16(B + 2 * n, 2 * S * N, pairs, xm, ym, N, w, MB)
+
+LORA_BF16_TARGET static void lora_down_bf16(const dl_lora *L, const uint16_t *A,
+                                            const uint16_t *x, int64_t rows, float *xa) {
+    const int64_t K = L->K, stride = L->slots * K, cols = L->parts * L->rank;
+    for (int64_t c = 0; c < cols;) {
+        const int four = c + 4 <= cols;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int mb = rows - m < 4 ? (int)(rows - m) : 4;
+            const uint16_t *w = A + c * stride, *xm = x + m * K;
+            float *out = xa + m * LORA_COLS + c;
+            if (four) {
+                LORA_BY_ROWS(LORA_DOT4_BF16_CALL)
+            } else {
+                LORA_BY_ROWS(LORA_DOT1_BF16_CALL)
+            }
+        }
+        c += four ? 4 : 1;
+    }
+}
+
+/* xp[m][p * pairs + i] = bf16 pair (xa[m][p * R + 2i], xa[m][p * R + 2i + 1]), rounded
+   to nearest even, an odd rank's last pair zero-padded as B's is */
+static void lora_pairs(const dl_lora *L, const float *xa, int64_t rows, uint32_t *xp) {
+    const int64_t R = L->rank, pairs = (R + 1) / 2;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t p = 0; p < L->parts; p++) {
+            const float *v = xa + m * LORA_COLS + p * R;
+            uint32_t *out = xp + m * LORA_PAIRS + p * pairs;
+            for (int64_t i = 0; i < pairs; i++) {
+                const uint32_t hi = 2 * i + 1 < R ? round_bf16(v[2 * i + 1]) : 0;
+                out[i] = (uint32_t)round_bf16(v[2 * i]) | hi << 16;
+            }
+        }
+}
+
+LORA_BF16_TARGET static void lora_up_bf16(const dl_lora *L, int64_t s, const uint32_t *xp,
+                                          float *y, int64_t rows) {
+    const int64_t N = L->N, S = L->slots, pairs = (L->rank + 1) / 2;
+    for (int64_t p = 0; p < L->parts; p++) {
+        const uint16_t *B = L->b16 + 2 * ((p * pairs * S + s) * N + L->off[p]);
+        const int64_t width = L->width[p];
+        for (int64_t n = 0; n < width; n += 16) {
+            const int64_t w = width - n < 16 ? width - n : 16;
+            for (int64_t m = 0; m < rows; m += 4) {
+                const int mb = rows - m < 4 ? (int)(rows - m) : 4;
+                const uint32_t *xm = xp + m * LORA_PAIRS + p * pairs;
+                float *ym = y + m * N + L->off[p] + n;
+                LORA_BY_ROWS(LORA_AXPY_BF16_CALL)
+            }
+        }
+    }
+}
+#undef LORA_DOT4_BF16_CALL
+#undef LORA_DOT1_BF16_CALL
+#undef LORA_AXPY_BF16_CALL
 #undef LORA_BY_ROWS
 
 /* n bf16 values widened to fp32 (exact) */
@@ -1632,6 +1742,16 @@ typedef struct {
     atomic_int failed;     /* a block's scratch allocation failed */
 } lora_job;
 
+/* the vdpbf16ps form of lora_rows, x the block's bf16 rows as they are */
+static void lora_rows_bf16(const dl_lora *L, const uint16_t *x, float *y, int64_t rows,
+                           int64_t s) {
+    float xa[LORA_ROWS * LORA_COLS];
+    uint32_t xp[LORA_ROWS * LORA_PAIRS];
+    lora_down_bf16(L, L->a16 + s * L->K, x, rows, xa);
+    lora_pairs(L, xa, rows, xp);
+    lora_up_bf16(L, s, xp, y, rows);
+}
+
 static void lora_rows(const dl_lora *L, const float *x, float *y, int64_t rows, int64_t s) {
     float xa[LORA_ROWS * LORA_COLS];
     if (L->wide) {
@@ -1650,16 +1770,22 @@ static void lora_chunk(void *ctx, int64_t c) {
     const dl_lora *L = j->L;
     const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
     const int64_t K = L->K, N = L->N;
-    float *xf = j->x_bf16 ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
+    const int dp = j->x_bf16 && L->a16; /* the vdpbf16ps form: x read as it is */
+    const int widen = j->x_bf16 && !dp;
+    float *xf = widen ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
     float *yf = j->y_bf16 ? calloc(rows * N, sizeof(float)) : (float *)j->y + m0 * N;
     if (xf && yf) {
-        if (j->x_bf16) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
-        lora_rows(L, xf, yf, rows, s);
+        if (dp) {
+            lora_rows_bf16(L, (const uint16_t *)j->x + m0 * K, yf, rows, s);
+        } else {
+            if (widen) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
+            lora_rows(L, xf, yf, rows, s);
+        }
         if (j->y_bf16) add_round_n((uint16_t *)j->y + m0 * N, yf, rows * N);
     } else {
         atomic_store(&j->failed, 1);
     }
-    if (j->x_bf16) free(xf);
+    if (widen) free(xf);
     if (j->y_bf16) free(yf);
 }
 

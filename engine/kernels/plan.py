@@ -45,6 +45,7 @@ class _LoRA(ctypes.Structure):
     _fields_ = [
         ("a", _P), ("b", _P), ("targeted", _P), ("parts", _I), ("rank", _I), ("slots", _I),
         ("K", _I), ("N", _I), ("off", _I * 4), ("width", _I * 4), ("wide", ctypes.c_int32),
+        ("a16", _P), ("b16", _P),
     ]  # fmt: skip
 
 
@@ -199,12 +200,17 @@ class LoRAProj:
     """One fused projection's adapters, every slot, as `CpuOps.lora_add` reads them (the
     layout of `engine.models.lora.FusedLoRA`): fp32 A `a` [P, R, S, K] and B `b` [P, R, S,
     N], part p's B zero outside its `widths[p]` columns (the parts in order, the scale
-    folded in); `targeted` uint8 [S], whether slot s's adapter has this projection."""
+    folded in); `targeted` uint8 [S], whether slot s's adapter has this projection.
+    `a16`, `b16`: None, or bf16 copies for the `vdpbf16ps` form, which a bf16 x takes on a
+    CPU with AVX512-BF16: A as `a`, B in pairs along the rank [P, (R + 1) / 2, S, N, 2]
+    (an odd rank's last pair zero in its second half)."""
 
     a: torch.Tensor
     b: torch.Tensor
     widths: tuple[int, ...]
     targeted: torch.Tensor
+    a16: torch.Tensor | None = None
+    b16: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +231,7 @@ class LoRARows:
     row_slots: torch.Tensor
 
 
-def _lora(op: str, i: int, p: LoRAProj | None, slots: int, wide: bool) -> _LoRA:
+def _lora(op: str, i: int, p: LoRAProj | None, slots: int, wide: bool, bf16: bool) -> _LoRA:
     if p is None:  # no adapter has this projection: the kernel adds nothing
         return _LoRA(None, None, None, 1, 0, slots, 0, 0)
     parts, rank, s, k = tensor(op, f"projs[{i}].a", p.a, F32, (len(p.widths), None, slots, None))
@@ -234,15 +240,23 @@ def _lora(op: str, i: int, p: LoRAProj | None, slots: int, wide: bool) -> _LoRA:
     tensor(op, f"projs[{i}].targeted", p.targeted, U8, (slots,))
     if not 1 <= parts <= 4 or parts * rank > LORA_COLS:
         raise bad(op, f"projs[{i}]: 1..4 parts of parts * rank <= {LORA_COLS}")
+    a16 = b16 = None
+    if bf16 and p.a16 is not None and p.b16 is not None:
+        tensor(op, f"projs[{i}].a16", p.a16, BF16, (parts, rank, s, k))
+        tensor(op, f"projs[{i}].b16", p.b16, BF16, (parts, (rank + 1) // 2, s, n, 2))
+        a16, b16 = p.a16.data_ptr(), p.b16.data_ptr()
     offsets = [sum(p.widths[:j]) for j in range(parts)]
     return _LoRA(
         p.a.data_ptr(), p.b.data_ptr(), p.targeted.data_ptr(), parts, rank, slots, k, n,
-        (_I * 4)(*offsets), (_I * 4)(*p.widths), int(wide),
+        (_I * 4)(*offsets), (_I * 4)(*p.widths), int(wide), a16, b16,
     )  # fmt: skip
 
 
-def build_lora_plan(projs: Sequence[LoRAProj | None], slots: int, wide: bool) -> LoRAPlan:
-    """`CpuOps.lora_plan`: `wide`, the AVX-512F form of the kernel."""
+def build_lora_plan(
+    projs: Sequence[LoRAProj | None], slots: int, wide: bool, bf16: bool
+) -> LoRAPlan:
+    """`CpuOps.lora_plan`: `wide`, the AVX-512F form of the kernel; `bf16`, the
+    `vdpbf16ps` form for a bf16 x where a projection has its bf16 copies."""
     op = "lora_plan"
-    array = (_LoRA * len(projs))(*(_lora(op, i, p, slots, wide) for i, p in enumerate(projs)))
+    array = (_LoRA * len(projs))(*(_lora(op, i, p, slots, wide, bf16) for i, p in enumerate(projs)))
     return LoRAPlan(array, tuple(projs))

@@ -19,7 +19,9 @@ strided view of the same tensors (`LoRAStep.segments`).
 With the CPU kernels (`engine.kernels`), a step instead makes one `CpuOps.lora_add` call a
 projection over the same tensors (`LoRAWeights.kernel_plan`), each row by its own slot,
 and a small decode step adds the deltas inside the one-call `CpuOps.decode_layers` (its
-projections' LoRA pointers and the rows' slots).
+projections' LoRA pointers and the rows' slots). A model computing in bf16 on a CPU with
+AVX512-BF16 also keeps bf16 copies of A and B (`FusedLoRA.a16`, `b16`, kept in step by
+`set_slot`), which the kernel's vdpbf16ps form reads for bf16 rows.
 No merged weights: the base projections run as they do without adapters. The rank
 dimension is the largest rank loaded so far (smaller ranks are zero-padded), grown as
 bigger adapters arrive, up to `max_lora_rank`.
@@ -88,6 +90,10 @@ class FusedLoRA:
         self.b = torch.zeros((0, self.out_features), dtype=dtype)
         self.offsets = [sum(out_sizes[:p]) for p in range(len(out_sizes))]
         self.targeted = [0] * num_slots  # per slot, whether its adapter targets this
+        # bf16 copies of A and B for the kernel's vdpbf16ps form (`kernel_proj(bf16=True)`),
+        # kept in step with them by `set_slot` once made
+        self.a16: torch.Tensor | None = None
+        self.b16: torch.Tensor | None = None
         self.grow(rank)
 
     @property
@@ -106,6 +112,7 @@ class FusedLoRA:
         b[:, :old] = self.b.view(parts, old, s, self.out_features)
         self.b = b.view(parts * rank * s, self.out_features)
         self.rank = rank
+        self.a16 = self.b16 = None  # remade at the new rank by the next `kernel_proj`
 
     def set_slot(
         self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None
@@ -121,18 +128,30 @@ class FusedLoRA:
             r = a.shape[0]
             a_view[:r] = a
             b_view[:r] = b.t()
+        if self.a16 is not None and self.b16 is not None:
+            shape = (parts, r_all, s)
+            self.a16.view(*shape, self.in_features)[part, :, slot] = a_view
+            b_slot = self.b.view(*shape, self.out_features)[part : part + 1, :, slot : slot + 1]
+            self.b16[part : part + 1, :, slot : slot + 1] = _rank_pairs(b_slot)
 
-    def kernel_proj(self) -> LoRAProj | None:
+    def kernel_proj(self, bf16: bool = False) -> LoRAProj | None:
         """These weights as `CpuOps.lora_add` reads them (views: a slot loaded or cleared
-        later is seen), or None when no adapter targets this projection."""
+        later is seen), or None when no adapter targets this projection; `bf16`: with the
+        bf16 copies of its vdpbf16ps form, made on first use."""
         if not self.active or self.dtype != torch.float32:
             return None
         shape = (len(self.out_sizes), self.rank, self.num_slots)
+        b = self.b.view(*shape, self.out_features)
+        if bf16 and (self.a16 is None or self.b16 is None):
+            self.a16 = self.a.view(*shape, self.in_features).to(torch.bfloat16)
+            self.b16 = _rank_pairs(b)
         return LoRAProj(
             self.a.view(*shape, self.in_features),
-            self.b.view(*shape, self.out_features),
+            b,
             tuple(self.out_sizes),
             torch.tensor(self.targeted, dtype=torch.uint8),
+            self.a16 if bf16 else None,
+            self.b16 if bf16 else None,
         )
 
     def add_rows(self, x: torch.Tensor, y: torch.Tensor, slot: int, start: int, end: int) -> None:
@@ -165,13 +184,31 @@ class FusedLoRA:
             y.add_(torch.mm(xa, self.b))
 
 
+def _rank_pairs(b: torch.Tensor) -> torch.Tensor:
+    """fp32 B [P, R, S, N] -> bf16 [P, (R + 1) / 2, S, N, 2], ranks 2i and 2i + 1 side by
+    side (the pairs `vdpbf16ps` multiplies; an odd rank's last pair zero-padded)."""
+    parts, rank, slots, n = b.shape
+    if rank % 2:
+        b = torch.cat([b, b.new_zeros(parts, 1, slots, n)], dim=1)
+    pairs = b.view(parts, (rank + 1) // 2, 2, slots, n).permute(0, 1, 3, 4, 2)
+    return pairs.to(torch.bfloat16).contiguous()
+
+
 class LoRAWeights:
     """Every layer's `FusedLoRA`s and which adapter each slot holds (the runner's)."""
 
-    def __init__(self, cfg: LlamaConfig, num_slots: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        activations: torch.dtype = torch.float32,
+    ) -> None:
         self.config = cfg
         self.num_slots = num_slots
         self.dtype = dtype
+        # the dtype the model computes in: bf16 activations take the kernel's vdpbf16ps form
+        self.activations = activations
         self.rank = 0
         self.loaded: list[LoRARequest | None] = [None] * num_slots
         self.shapes = module_shapes(cfg)
@@ -231,7 +268,8 @@ class LoRAWeights:
         if self._plan_stale:
             self._plan_stale = False
             fits = self.dtype == torch.float32 and 3 * self.rank <= LORA_COLS
-            projs = [fused.kernel_proj() for layer in self.layers for fused in layer.values()]
+            bf16 = ops.bf16_dot and self.activations == torch.bfloat16
+            projs = [fused.kernel_proj(bf16) for fused in self._all()]
             self._plan = ops.lora_plan(projs, self.num_slots) if fits else None
         return self._plan
 

@@ -323,7 +323,7 @@ class ModelRunner:
                         # fp32 whatever the model computes in: torch's bf16 matmuls of
                         # these thin shapes are several times slower than its fp32 ones on CPU
                         weights = self.lora_weights = LoRAWeights(
-                            self.model.config, self.config.max_loras, torch.float32
+                            self.model.config, self.config.max_loras, torch.float32, self.dtype
                         )
                     weights.load(slot, lora, self.lora_config(lora))
                     continue

@@ -1,8 +1,9 @@
 """LoRA deltas on the CPU kernels (`CpuOps.lora_add`, and inside `decode_layers`) against
 the torch path of the same slot weights (`FusedLoRA.add_rows`): odd shapes (rank, K and N
 not multiples of 16), rows of four adapters and the base mixed, a slot unloaded, fp32 and
-bf16 activations, the AVX-512 form and the AVX2 one; and a bf16 engine decoding with
-adapters through the one-call plan against the same engine layer by layer."""
+bf16 activations, the AVX-512 form, the AVX2 one and the vdpbf16ps one (bf16 copies of
+the weights, within their roundings); and a bf16 engine decoding with adapters through
+the one-call plan against the same engine layer by layer."""
 
 from __future__ import annotations
 
@@ -114,6 +115,74 @@ def test_a_row_of_an_unloaded_slot_gets_no_delta(wide: bool) -> None:
     torch.testing.assert_close(out, _reference(fused, x, y, ROW_SLOTS), rtol=1e-5, atol=1e-4)
 
 
+def _bound(fused: FusedLoRA, x: torch.Tensor, want: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """What bf16 A, B and xa may move each output by, at most: each rounding is within
+    2^-9 of its value, so the delta within 3 * 2^-9 of (|x| . |A|^T) . |B| (row by row,
+    its slot's), plus the bf16 y's own rounding, one step of |want| (2^-8), either way."""
+    mag = torch.zeros_like(want, dtype=torch.float32)
+    parts, rank, slots = len(fused.out_sizes), fused.rank, fused.num_slots
+    a = fused.a.view(parts * rank, slots, -1).abs()
+    b = fused.b.view(parts * rank, slots, -1).abs()
+    for i, slot in enumerate(rows):
+        if slot >= 0:
+            mag[i] = (x[i].float().abs() @ a[:, slot].t()) @ b[:, slot]
+    return 3 * 2**-9 * mag + 2**-8 * want.float().abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("k", "out_sizes", "rank"),
+    [(37, [19, 5, 5], 5), (64, [48], 16), (100, [33, 67], 9), (512, [512, 128, 128], 16)],
+)
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+def test_the_bf16_form_equals_the_fp32_path_within_its_roundings(
+    k: int, out_sizes: list[int], rank: int, y_dtype: torch.dtype
+) -> None:
+    """A bf16 x with the bf16 copies (`kernel_proj(bf16=True)`): odd K and ranks, whose
+    pairs run past the end zero-padded, within `_bound` of the fp32 torch path; the base
+    rows untouched, an fp32 x through the same plan the fp32 form as before."""
+    ops = _ops(True)
+    g = torch.Generator().manual_seed(k * rank)
+    fused = _fused(k, out_sizes, rank, g)
+    plan = ops.lora_plan([fused.kernel_proj(bf16=True)], SLOTS, wide=True)
+    x = torch.randn(len(ROW_SLOTS), k, generator=g).bfloat16()
+    y = torch.randn(len(ROW_SLOTS), sum(out_sizes), generator=g).to(y_dtype)
+    slots = torch.tensor(ROW_SLOTS, dtype=torch.int64)
+    got = y.clone()
+    ops.lora_add(plan, 0, x, got, slots)
+    want = _reference(fused, x, y, ROW_SLOTS)
+    base = [i for i, s in enumerate(ROW_SLOTS) if s < 0]
+    assert torch.equal(got[base], y[base])
+    err = (got.float() - want.float()).abs()
+    assert (err <= _bound(fused, x, want, ROW_SLOTS)).all(), err.max()
+    # fp32 rows through the same plan: the fp32 form, at its own tolerance
+    xf, yf = x.float(), y.float()
+    out = yf.clone()
+    ops.lora_add(plan, 0, xf, out, slots)
+    torch.testing.assert_close(out, _reference(fused, xf, yf, ROW_SLOTS), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_the_bf16_copies_follow_a_slot_loaded_or_cleared_after_the_plan() -> None:
+    """`set_slot` keeps the bf16 copies in step: slot 1 cleared and slot 2 given new
+    weights after the plan was made, its rows see both, as the fp32 form does."""
+    ops = _ops(True)
+    g = torch.Generator().manual_seed(5)
+    fused = _fused(40, [24, 8], 7, g)
+    plan = ops.lora_plan([fused.kernel_proj(bf16=True)], SLOTS, wide=True)
+    for part, n in enumerate([24, 8]):
+        fused.set_slot(1, part, None, None)
+        fused.set_slot(2, part, torch.randn(3, 40, generator=g), torch.randn(n, 3, generator=g))
+    x = torch.randn(len(ROW_SLOTS), 40, generator=g).bfloat16()
+    y = torch.randn(len(ROW_SLOTS), 32, generator=g).bfloat16()
+    out = y.clone()
+    ops.lora_add(plan, 0, x, out, torch.tensor(ROW_SLOTS, dtype=torch.int64))
+    ones = [i for i, s in enumerate(ROW_SLOTS) if s == 1]
+    assert torch.equal(out[ones], y[ones])
+    want = _reference(fused, x, y, ROW_SLOTS)
+    assert ((out.float() - want.float()).abs() <= _bound(fused, x, want, ROW_SLOTS)).all()
+
+
 @needs_kernel
 def test_lora_add_rejects_a_slot_outside_the_slots() -> None:
     ops = _ops(False)
@@ -212,6 +281,10 @@ def test_decode_with_adapters_in_one_call_equals_the_layer_by_layer_path(
                 out.setdefault(d.request_id, []).extend(d.token_ids)
         tokens.append(out)
         fused_calls.append(sum(lora is not None for lora in calls))
+        if fused and ops.bf16_dot:  # the prefill chunks' bf16 rows take the vdpbf16ps form
+            assert runner.lora_weights is not None
+            plan = runner.lora_weights.kernel_plan(ops)
+            assert plan is not None and all(p.a16 and p.b16 for p in plan.projs if p.a)
     assert tokens[0] == tokens[1]
     assert fused_calls[0] >= 6 and fused_calls[1] == 0
     assert len(hidden[0]) == len(hidden[1])
