@@ -143,8 +143,10 @@ class FusedLoRA:
         shape = (len(self.out_sizes), self.rank, self.num_slots)
         b = self.b.view(*shape, self.out_features)
         if bf16 and (self.a16 is None or self.b16 is None):
-            self.a16 = self.a.view(*shape, self.in_features).to(torch.bfloat16)
-            self.b16 = _rank_pairs(b)
+            # made in a step (inference mode), written by `set_slot` outside one
+            with torch.inference_mode(False):
+                self.a16 = self.a.view(*shape, self.in_features).to(torch.bfloat16)
+                self.b16 = _rank_pairs(b)
         return LoRAProj(
             self.a.view(*shape, self.in_features),
             b,

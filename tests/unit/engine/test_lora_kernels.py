@@ -165,11 +165,13 @@ def test_the_bf16_form_equals_the_fp32_path_within_its_roundings(
 @needs_kernel
 def test_the_bf16_copies_follow_a_slot_loaded_or_cleared_after_the_plan() -> None:
     """`set_slot` keeps the bf16 copies in step: slot 1 cleared and slot 2 given new
-    weights after the plan was made, its rows see both, as the fp32 form does."""
+    weights after the plan was made (in a step's inference mode, as the runner makes it),
+    its rows see both, as the fp32 form does."""
     ops = _ops(True)
     g = torch.Generator().manual_seed(5)
     fused = _fused(40, [24, 8], 7, g)
-    plan = ops.lora_plan([fused.kernel_proj(bf16=True)], SLOTS, wide=True)
+    with torch.inference_mode():
+        plan = ops.lora_plan([fused.kernel_proj(bf16=True)], SLOTS, wide=True)
     for part, n in enumerate([24, 8]):
         fused.set_slot(1, part, None, None)
         fused.set_slot(2, part, torch.randn(3, 40, generator=g), torch.randn(n, 3, generator=g))
