@@ -1439,7 +1439,8 @@ DP_TARGET int sluice_rope_bf16(uint16_t *x, int64_t stride, int64_t M, const flo
    A bf16 x with bf16 copies `a16`/`b16` (a plan made for a CPU with AVX512-BF16) takes the
    `vdpbf16ps` form instead, twice the multiply-adds a cycle from half the bytes: x . A in
    pairs along K from x as it is, then xa rounded to bf16 pairs along the rank against B
-   stored [P, R/2, S, N, 2] (an odd rank's last pair zero-padded); fp32 sums throughout. */
+   stored [P, R/2, S, N, 2] (an odd rank's last pair zero-padded); fp32 sums throughout, a
+   bf16 y widened into them and rounded once, a block's rows read and written in place. */
 #define LORA_COLS 1024 /* parts * rank at most (checked by the bindings) */
 #define LORA_ROWS 16   /* rows a block: each weight row is read from L1 for all of them */
 #define LORA_TARGET __attribute__((target("avx512f")))
@@ -1634,14 +1635,24 @@ LORA_BF16_TARGET static inline void lora_dot_bf16(const uint16_t *w, int64_t str
 }
 
 /* y[m][0:n] += sum over pairs of xp[m][r] . B pair r (16 columns of pairs, `stride`
-   apart), n <= 16, MB rows of y */
+   apart), n <= 16, MB rows of y: fp32, or bf16 (`y16`) widened, summed into in fp32 and
+   rounded once to nearest even */
 LORA_BF16_TARGET static inline void lora_axpy_bf16(const uint16_t *B, int64_t stride,
-                                                   int64_t pairs, const uint32_t *xp, float *y,
-                                                   int64_t N, int64_t n, const int MB) {
+                                                   int64_t pairs, const uint32_t *xp, void *y,
+                                                   int y16, int64_t N, int64_t n, const int MB) {
     const __mmask16 mk = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
     const __mmask32 mk2 = n == 16 ? ~(__mmask32)0 : (__mmask32)((1u << (2 * n)) - 1);
+    float *yf = y;
+    uint16_t *yh = y;
     __m512 acc[4];
-    for (int m = 0; m < MB; m++) acc[m] = _mm512_maskz_loadu_ps(mk, y + m * N);
+    for (int m = 0; m < MB; m++) {
+        if (y16) {
+            const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, yh + m * N));
+            acc[m] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+        } else {
+            acc[m] = _mm512_maskz_loadu_ps(mk, yf + m * N);
+        }
+    }
     for (int64_t r = 0; r < pairs; r++) {
         const __m512bh bv = (__m512bh)_mm512_maskz_loadu_epi16(mk2, B + r * stride);
         for (int m = 0; m < MB; m++) {
@@ -1649,12 +1660,18 @@ LORA_BF16_TARGET static inline void lora_axpy_bf16(const uint16_t *B, int64_t st
             acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)xv, bv);
         }
     }
-    for (int m = 0; m < MB; m++) _mm512_mask_storeu_ps(y + m * N, mk, acc[m]);
+    for (int m = 0; m < MB; m++) {
+        if (y16)
+            _mm256_mask_storeu_epi16(yh + m * N, mk, (__m256i)_mm512_cvtneps_pbh(acc[m]));
+        else
+            _mm512_mask_storeu_ps(yf + m * N, mk, acc[m]);
+    }
 }
 
 #define LORA_DOT4_BF16_CALL(MB) lora_dot_bf16(w, stride, xm, K, 4, MB, out)
 #define LORA_DOT1_BF16_CALL(MB) lora_dot_bf16(w, stride, xm, K, 1, MB, out)
-#define LORA_AXPY_BF16_CALL(MB) lora_axpy_bf16(B + 2 * n, 2 * S * N, pairs, xm, ym, N, w, MB)
+#define LORA_AXPY_BF16_CALL(MB) \
+    lora_axpy_bf16(B + 2 * n, 2 * S * N, pairs, xm, ym, y16, N, w, MB)
 
 LORA_BF16_TARGET static void lora_down_bf16(const dl_lora *L, const uint16_t *A,
                                             const uint16_t *x, int64_t rows, float *xa) {
@@ -1691,7 +1708,7 @@ static void lora_pairs(const dl_lora *L, const float *xa, int64_t rows, uint32_t
 }
 
 LORA_BF16_TARGET static void lora_up_bf16(const dl_lora *L, int64_t s, const uint32_t *xp,
-                                          float *y, int64_t rows) {
+                                          void *y, int y16, int64_t rows) {
     const int64_t N = L->N, S = L->slots, pairs = (L->rank + 1) / 2;
     for (int64_t p = 0; p < L->parts; p++) {
         const uint16_t *B = L->b16 + 2 * ((p * pairs * S + s) * N + L->off[p]);
@@ -1701,7 +1718,8 @@ LORA_BF16_TARGET static void lora_up_bf16(const dl_lora *L, int64_t s, const uin
             for (int64_t m = 0; m < rows; m += 4) {
                 const int mb = rows - m < 4 ? (int)(rows - m) : 4;
                 const uint32_t *xm = xp + m * LORA_PAIRS + p * pairs;
-                float *ym = y + m * N + L->off[p] + n;
+                const int64_t at = m * N + L->off[p] + n;
+                void *ym = y16 ? (void *)((uint16_t *)y + at) : (void *)((float *)y + at);
                 LORA_BY_ROWS(LORA_AXPY_BF16_CALL)
             }
         }
@@ -1742,14 +1760,14 @@ typedef struct {
     atomic_int failed;     /* a block's scratch allocation failed */
 } lora_job;
 
-/* the vdpbf16ps form of lora_rows, x the block's bf16 rows as they are */
-static void lora_rows_bf16(const dl_lora *L, const uint16_t *x, float *y, int64_t rows,
-                           int64_t s) {
+/* the vdpbf16ps form of lora_rows: x and a bf16 y (`y16`) the block's rows as they are */
+static void lora_rows_bf16(const dl_lora *L, const uint16_t *x, void *y, int y16,
+                           int64_t rows, int64_t s) {
     float xa[LORA_ROWS * LORA_COLS];
     uint32_t xp[LORA_ROWS * LORA_PAIRS];
     lora_down_bf16(L, L->a16 + s * L->K, x, rows, xa);
     lora_pairs(L, xa, rows, xp);
-    lora_up_bf16(L, s, xp, y, rows);
+    lora_up_bf16(L, s, xp, y, y16, rows);
 }
 
 static void lora_rows(const dl_lora *L, const float *x, float *y, int64_t rows, int64_t s) {
@@ -1764,28 +1782,29 @@ static void lora_rows(const dl_lora *L, const float *x, float *y, int64_t rows, 
 }
 
 /* one block: up to LORA_ROWS consecutive rows of one slot; bf16 rows are widened into a
-   scratch of the block's own (a whole step's would be megabytes, faulted in every call) */
+   scratch of the block's own (a whole step's would be megabytes, faulted in every call),
+   except in the vdpbf16ps form */
 static void lora_chunk(void *ctx, int64_t c) {
     lora_job *j = ctx;
     const dl_lora *L = j->L;
     const int64_t *b = j->blocks + 3 * c, m0 = b[0], rows = b[1] - b[0], s = b[2];
     const int64_t K = L->K, N = L->N;
-    const int dp = j->x_bf16 && L->a16; /* the vdpbf16ps form: x read as it is */
-    const int widen = j->x_bf16 && !dp;
-    float *xf = widen ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
+    if (j->x_bf16 && L->a16) { /* the vdpbf16ps form: x and y read as they are */
+        uint16_t *yh = (uint16_t *)j->y + m0 * N;
+        void *y = j->y_bf16 ? (void *)yh : (void *)((float *)j->y + m0 * N);
+        lora_rows_bf16(L, (const uint16_t *)j->x + m0 * K, y, j->y_bf16, rows, s);
+        return;
+    }
+    float *xf = j->x_bf16 ? malloc(rows * K * sizeof(float)) : (float *)j->x + m0 * K;
     float *yf = j->y_bf16 ? calloc(rows * N, sizeof(float)) : (float *)j->y + m0 * N;
     if (xf && yf) {
-        if (dp) {
-            lora_rows_bf16(L, (const uint16_t *)j->x + m0 * K, yf, rows, s);
-        } else {
-            if (widen) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
-            lora_rows(L, xf, yf, rows, s);
-        }
+        if (j->x_bf16) widen_n((const uint16_t *)j->x + m0 * K, xf, rows * K);
+        lora_rows(L, xf, yf, rows, s);
         if (j->y_bf16) add_round_n((uint16_t *)j->y + m0 * N, yf, rows * N);
     } else {
         atomic_store(&j->failed, 1);
     }
-    if (widen) free(xf);
+    if (j->x_bf16) free(xf);
     if (j->y_bf16) free(yf);
 }
 
