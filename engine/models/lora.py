@@ -270,7 +270,7 @@ class LoRAWeights:
         if self._plan_stale:
             self._plan_stale = False
             fits = self.dtype == torch.float32 and 3 * self.rank <= LORA_COLS
-            bf16 = ops.bf16_dot and self.activations == torch.bfloat16
+            bf16 = fits and ops.bf16_dot and self.activations == torch.bfloat16
             projs = [fused.kernel_proj(bf16) for fused in self._all()]
             self._plan = ops.lora_plan(projs, self.num_slots) if fits else None
         return self._plan
