@@ -1,7 +1,8 @@
 """GGUF projections kept in quantized blocks of 32 weights (`BlockQuantLinear`).
 
-Called by `engine.loader` for a quantized GGUF (`quantization="gguf"`, the default unless
-the model computes in float32): every projection whose GGUF tensors are Q4_0, Q4_1, Q4_K
+Called by `engine.loader` when a quantized GGUF is loaded with `quantization="gguf"` (asked
+for, not the default: the kernel wins a batch-1 step but loses to the de-quantized weights'
+GEMMs from a few rows on): every projection whose GGUF tensors are Q4_0, Q4_1, Q4_K
 or Q8_0 keeps its blocks, repacked once into the one layout `CpuOps.q_linear` reads, and
 the lm_head of a tied model gets such a copy of the embedding's blocks (the embedding
 itself stays de-quantized: a lookup reads a few rows). Other types (Q5_*, Q6_K, F16, ...)

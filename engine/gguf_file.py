@@ -232,8 +232,9 @@ class GGUFCheckpoint:
         t = self._tensor(ROPE_FREQS)
         return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, float32 array in its Hugging Face layout), one at a time."""
+    def _hf_tensors(self) -> Iterator[tuple[ReaderTensor, str, int | None]]:
+        """Each tensor with its Hugging Face name and, for a q/k projection stored in
+        llama.cpp's permuted row order, the head count that `unpermute_qk` undoes it with."""
         cfg = self.hf_config()
         heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
         permuted = self.architecture in _PERMUTED_QK
@@ -241,31 +242,27 @@ class GGUFCheckpoint:
             name = self._names[t.name]
             if name is None:
                 continue
+            role = name.split(".")[-2]  # model.layers.N.self_attn.q_proj.weight -> q_proj
+            yield t, name, heads.get(role) if permuted else None
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array in its Hugging Face layout), one at a time."""
+        for t, name, num_heads in self._hf_tensors():
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             if not array.flags.writeable:  # an F32 tensor is a view of the memory map
                 array = array.copy()
-            role = name.split(".")[-2]  # model.layers.N.self_attn.q_proj.weight -> q_proj
-            if permuted and role in heads:
-                array = unpermute_qk(array, heads[role])
-            yield name, array
+            yield name, array if num_heads is None else unpermute_qk(array, num_heads)
 
     def quantized_blocks(
         self, kinds: Collection[GGMLQuantizationType]
     ) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
         """The 2-D tensors of `kinds` as their raw blocks (uint8 [rows, bytes], a view of
         the memory map), by Hugging Face name, q/k rows unpermuted as in `tensors`."""
-        cfg = self.hf_config()
-        heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
-        permuted = self.architecture in _PERMUTED_QK
         out: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
-        for t in self._reader.tensors:
-            name = self._names[t.name]
-            if name is None or t.tensor_type not in kinds or t.data.ndim != 2:
+        for t, name, num_heads in self._hf_tensors():
+            if t.tensor_type not in kinds or t.data.ndim != 2:
                 continue
-            raw = t.data
-            role = name.split(".")[-2]
-            if permuted and role in heads:
-                raw = unpermute_qk(raw, heads[role])
+            raw = t.data if num_heads is None else unpermute_qk(t.data, num_heads)
             out[name] = (raw, t.tensor_type)
         return out
 
