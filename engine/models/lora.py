@@ -350,9 +350,9 @@ class LoRAStep:
     ) -> LoRAStep:
         """`row_slots[i]`: the slot of flat row i (-1: the base model); `ops`: the
         kernels, which compute every step's deltas where they take the weights: one call a
-        projection where torch takes a few ops per run of rows (a prefill's long runs are
-        about as fast either way on one thread, and the kernel's helpers never wait for a
-        thread that is off its core, where torch's pool stalls on a busy host)."""
+        projection where torch takes a few ops per run of rows (a prefill with torch's
+        thin matmuls, a oneDNN primitive per new row count, cost over three times the
+        kernel's)."""
         num_rows = len(row_slots)
         serial = num_rows <= SERIAL_ROWS
         plan = None if ops is None else weights.kernel_plan(ops)
